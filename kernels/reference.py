@@ -1,0 +1,105 @@
+"""PyTorch reference implementations of the kernel interface.
+
+Numerics follow Hugging Face transformers' Llama modules (float32 RMS
+statistics, `rotate_half` rotary) so greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, hidden] -> [T, hidden] in x.dtype; the statistic is taken in float32."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, KVH, D], cos/sin [T, D] (already gathered by position)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate first) -> silu(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, KVH, D] into the cache slots named by slot_mapping [T]."""
+    kvh, d = k.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per row. q [B, H, D] -> [B, H, D].
+
+    Row b attends to the first context_lens[b] slots of its block table
+    (its own token included: store_kv ran first).
+    """
+    b, nb = block_tables.shape
+    bs, kvh, d = k_cache.shape[1:]
+    keys = k_cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
+    values = v_cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
+    pos = torch.arange(nb * bs, device=q.device)
+    mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=kvh != q.shape[1]
+    )
+    return out.squeeze(2)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: int,
+    scale: float,
+) -> torch.Tensor:
+    """A chunk of L query tokens of one sequence at positions start_pos..start_pos+L-1.
+
+    q [L, H, D] -> [L, H, D]; keys are slots 0..start_pos+L-1 of block_table
+    [nb] (the chunk's own keys already stored); causal.
+    """
+    length = q.shape[0]
+    ctx = start_pos + length
+    bs, kvh, d = k_cache.shape[1:]
+    keys = k_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
+    values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
+    gqa = kvh != q.shape[1]
+    qh = q.transpose(0, 1)
+    if start_pos == 0:
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(length, device=q.device)[:, None] + start_pos
+        mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)

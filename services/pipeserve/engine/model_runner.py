@@ -1,0 +1,164 @@
+"""ModelRunner: executes StepPlans on one stage's model slice and KV pool.
+
+It decides nothing. Its request tables (block table, sampling spec) change
+only as a plan says (`freed`, `new_requests`, `new_block_ids`). A plan that
+does not fit its state — an unknown or duplicate request, a block id outside
+the pool, positions that skip or rewind, inputs whose row count differs from
+the plan's tokens — raises PlanMismatch naming the mismatch; on a follower
+that is a group stop, never a local repair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeserve.engine.plan import SampledToken, SamplingSpec, StepOutput, StepPlan, plan_digest
+from pipeserve.engine.sampler import Sampler
+from pipeserve.model.layers import AttentionBatch, PrefillSpan
+from pipeserve.model.stage_model import StageModel
+
+
+class PlanMismatch(RuntimeError):
+    """The plan is inconsistent with this executor's state."""
+
+
+@dataclass
+class _ReqState:
+    sampling: SamplingSpec
+    block_ids: list[int]
+    num_tokens: int = 0  # tokens with KV written on this stage
+
+
+@dataclass
+class PreparedStep:
+    """A plan turned into tensors; rows ordered decode-first."""
+
+    inputs: torch.Tensor  # [T] token ids (first stage)
+    batch: AttentionBatch
+    sample_rows: torch.Tensor  # [R] row of each sampled request's last token
+    sample_req_ids: list[str]
+    sample_indices: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: StageModel, kv_pool: torch.Tensor, block_size: int, seed: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+        self.num_blocks = kv_pool.shape[2]
+        self.device = kv_pool.device
+        self.sampler = Sampler(self.device, seed)
+        self.reqs: dict[str, _ReqState] = {}
+
+    # --- plan -> state ------------------------------------------------------
+    def apply(self, plan: StepPlan) -> int:
+        """Update request tables from the plan, validating it against them; returns its digest."""
+        digest = plan_digest(plan)
+        if digest != plan.digest:
+            raise PlanMismatch(f"step {plan.step_id}: digest {digest:#x} != plan's {plan.digest:#x}")
+        for rid in plan.freed:
+            if self.reqs.pop(rid, None) is None:
+                raise PlanMismatch(f"step {plan.step_id}: freed unknown request {rid!r}")
+        for new in plan.new_requests:
+            if new.req_id in self.reqs:
+                raise PlanMismatch(f"step {plan.step_id}: new request {new.req_id!r} already known")
+            self.reqs[new.req_id] = _ReqState(new.sampling, [])
+        for c in plan.chunks:
+            st = self.reqs.get(c.req_id)
+            if st is None:
+                raise PlanMismatch(f"step {plan.step_id}: chunk for unknown request {c.req_id!r}")
+            bad = [b for b in c.new_block_ids if not 0 <= b < self.num_blocks]
+            if bad:
+                raise PlanMismatch(
+                    f"step {plan.step_id}: {c.req_id!r} block ids {bad} outside pool of {self.num_blocks}"
+                )
+            if c.start_pos != st.num_tokens and not (c.new_block_ids and not st.block_ids):
+                raise PlanMismatch(
+                    f"step {plan.step_id}: {c.req_id!r} chunk starts at {c.start_pos}, "
+                    f"stage holds {st.num_tokens} tokens"
+                )
+            st.block_ids += c.new_block_ids
+            st.num_tokens = c.start_pos + len(c.token_ids)
+            if len(st.block_ids) * self.block_size < st.num_tokens:
+                raise PlanMismatch(
+                    f"step {plan.step_id}: {c.req_id!r} has {len(st.block_ids)} blocks "
+                    f"for {st.num_tokens} tokens"
+                )
+        return digest
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        bs = self.block_size
+        chunks = sorted(plan.chunks, key=lambda c: len(c.token_ids) != 1)  # decode rows first
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        sample_indices: list[int] = []
+        for c in chunks:
+            table = self.reqs[c.req_id].block_ids
+            row = len(ids)
+            n = len(c.token_ids)
+            end = c.start_pos + n
+            ids += c.token_ids
+            pos = range(c.start_pos, end)
+            positions += pos
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            if n == 1:
+                dec_tables.append(table[: -(-end // bs)])
+                dec_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(row, n, c.start_pos, self._tensor(table[: -(-end // bs)])))
+            if c.sample_index >= 0:
+                sample_rows.append(row + n - 1)
+                sample_req_ids.append(c.req_id)
+                sample_indices.append(c.sample_index)
+        width = max((len(t) for t in dec_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in dec_tables]
+        pos_t = self._tensor(positions)
+        cos, sin = self.model.rotary.gather(pos_t)
+        batch = AttentionBatch(
+            positions=pos_t,
+            slot_mapping=self._tensor(slots),
+            cos=cos,
+            sin=sin,
+            num_decode=len(dec_tables),
+            decode_block_tables=self._tensor(padded).view(len(padded), width),
+            decode_context_lens=self._tensor(dec_lens),
+            prefills=prefills,
+        )
+        return PreparedStep(self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    # --- execution ------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers; inputs are hidden states [T, hidden] on followers."""
+        x = step.inputs if inputs is None else inputs
+        if x.shape[0] != step.inputs.shape[0]:
+            raise PlanMismatch(f"received {x.shape[0]} activation rows for a {step.inputs.shape[0]}-token plan")
+        return self.model(x, step.batch, self.kv_pool)
+
+    @torch.inference_mode()
+    def sample(self, step: PreparedStep, hidden: torch.Tensor) -> list[SampledToken]:
+        if not step.sample_req_ids:
+            return []
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        specs = [self.reqs[r].sampling for r in step.sample_req_ids]
+        return self.sampler(logits, step.sample_req_ids, specs, step.sample_indices)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Single-stage execution: the whole model, then sampling."""
+        digest = self.apply(plan)
+        sampled: list[SampledToken] = []
+        if plan.chunks:
+            step = self.prepare(plan)
+            sampled = self.sample(step, self.forward(step))
+        return StepOutput(plan.step_id, sampled, [digest])

@@ -1,0 +1,59 @@
+"""Request: the one object that tracks a generation on stage 0.
+
+Token layout: all_token_ids = prompt + output. `num_computed` tokens have KV in
+`block_ids` (prefix-cache hits included); the scheduler's next chunk starts
+there. After preemption the request goes back to WAITING with no blocks and
+recomputes prompt + output so far (the output is kept).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pipeserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] = field(
+        default_factory=list
+    )
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at the last admission
+    num_preemptions: int = 0
+    # Executors hold this request in their tables (it was sent as a NewRequest
+    # and not freed since). Preemption and finish clear it via plan.freed.
+    in_executors: bool = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

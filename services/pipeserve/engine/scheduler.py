@@ -1,0 +1,216 @@
+"""Scheduler: the only place where decisions are made (stage 0).
+
+Two calls, vLLM v1 style:
+  schedule() -> StepPlan        what every executor runs next
+  update(plan, output) -> list[Request]  apply the results, return requests
+                                          that finished in this step
+
+Policy per step, under a token budget (`max_num_batched_tokens`):
+1. running requests, oldest first: the rest of their prompt (chunked to the
+   budget) or one decode token. If the pool is short, the newest running
+   request is preempted (blocks freed, recomputed later), repeatedly.
+2. if nothing was preempted this step, waiting requests in arrival order, while
+   the budget, `max_num_seqs` and the pool allow; each starts after its longest
+   cached prefix.
+A request is in at most one unfinished plan (`in_flight`), so a pipeline with
+several microbatches in the ring never schedules the same request twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pipeserve.engine.block_manager import BlockManager
+from pipeserve.engine.plan import NewRequest, SamplingSpec, ScheduledChunk, StepOutput, StepPlan, seal
+from pipeserve.engine.request import FinishReason, Request, RequestStatus
+
+
+def sampling_spec(req: Request) -> SamplingSpec:
+    p = req.params
+    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.logprobs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.in_flight: set[str] = set()
+        self._freed: list[str] = []  # executor tables to drop with the next plan
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # --- intake -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> Request | None:
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, FinishReason.ABORT)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._freed)
+
+    # --- schedule -----------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_reqs: list[NewRequest] = []
+        preempted = False
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.req_id in self.in_flight or req.status is not RequestStatus.RUNNING:
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self.bm.blocks_needed(req.num_computed + n) - len(req.block_ids)
+            while not self.bm.can_allocate(need):
+                victim = self._preemptable_victim()
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING or not self.bm.can_allocate(need):
+                continue
+            new_blocks = self.bm.allocate(need)
+            req.block_ids += new_blocks
+            chunks.append(self._chunk(req, n, new_blocks))
+            budget -= n
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            hits = self.bm.match_prefix(tokens)
+            start = len(hits) * self.bm.block_size
+            n = min(len(tokens) - start, budget)
+            need = self.bm.blocks_needed(start + n) - len(hits)
+            if not self.bm.can_allocate(need, hits):
+                break
+            self.waiting.popleft()
+            self.bm.record_query(len(tokens), start)
+            self.bm.take_cached(hits)
+            req.block_ids = hits + self.bm.allocate(need)
+            req.num_computed = start
+            req.num_cached_prompt_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(NewRequest(req.req_id, sampling_spec(req)))
+            req.in_executors = True
+            chunks.append(self._chunk(req, n, list(req.block_ids)))
+            budget -= n
+
+        self._step_id += 1
+        plan = StepPlan(self._step_id, self._freed, new_reqs, chunks)
+        self._freed = []
+        for c in chunks:
+            self.in_flight.add(c.req_id)
+        return seal(plan)
+
+    def _chunk(self, req: Request, n: int, new_blocks: list[int]) -> ScheduledChunk:
+        start = req.num_computed
+        ends_known = start + n == req.num_tokens
+        return ScheduledChunk(
+            req.req_id,
+            req.all_token_ids[start : start + n],
+            start,
+            new_blocks,
+            len(req.output_token_ids) if ends_known else -1,
+        )
+
+    def _preemptable_victim(self) -> Request | None:
+        for req in reversed(self.running):
+            if req.req_id not in self.in_flight:
+                return req
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.release(req)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._drop_from_executors(req)
+        self.waiting.appendleft(req)
+
+    # --- update -------------------------------------------------------------
+    def update(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+        if output.step_id != plan.step_id:
+            raise RuntimeError(f"output of step {output.step_id} applied to plan {plan.step_id}")
+        sampled = {s.req_id: s for s in output.sampled}
+        finished: list[Request] = []
+        for chunk in plan.chunks:
+            self.in_flight.discard(chunk.req_id)
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            req.num_computed += len(chunk.token_ids)
+            self.bm.commit_full_blocks(req)
+            if chunk.sample_index < 0:
+                continue
+            tok = sampled.get(req.req_id)
+            if tok is None:
+                raise RuntimeError(f"step {plan.step_id}: no sampled token for {req.req_id}")
+            req.output_token_ids.append(tok.token_id)
+            if req.params.logprobs is not None:
+                req.output_logprobs.append((tok.logprob, tok.top_logprobs))
+            reason = self._stop_reason(req, tok.token_id)
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, req_id: str, reason: FinishReason) -> Request | None:
+        """End a request decided outside the token loop (e.g. a stop string)."""
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        self.bm.release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self._drop_from_executors(req)
+        del self.requests[req.req_id]
+
+    def _drop_from_executors(self, req: Request) -> None:
+        if req.in_executors:
+            self._freed.append(req.req_id)
+            req.in_executors = False

@@ -1,0 +1,23 @@
+"""Exceptions that cross module boundaries.
+
+`InvalidRequestError` carries the offending field so the router can answer with
+an OpenAI-style `{"error": {"param": ...}}` body; it subclasses ValueError so
+offline callers can catch the usual type.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+class ConfigError(ValueError):
+    """An engine or stage setting is invalid."""
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint cannot be served: missing files/tensors or an unsupported architecture."""

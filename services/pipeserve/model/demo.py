@@ -1,0 +1,171 @@
+"""Deterministic demo checkpoints in Hugging Face layout.
+
+`write_demo_model(DIR, DemoSpec(...))` writes `config.json`, `generation_config.json`,
+`model.safetensors`, `tokenizer.json` and `tokenizer_config.json` so that both
+pipeserve and `transformers.AutoModelForCausalLM` / `AutoTokenizer` load it. The
+same spec always gives byte-identical weights (a seeded CPU generator), and the
+tokenizer is a byte-level BPE trained here on `corpus.txt`, which ships with the
+package: nothing is fetched.
+
+Weights are scaled so logits are far apart (std of several units): greedy
+comparisons against transformers then do not hinge on 1e-6 ties.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
+
+# ChatML; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SUPPORTED_ARCHES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    arch: str = "llama"
+    layers: int = 4
+    hidden: int = 256
+    intermediate: int = 688
+    heads: int = 8
+    kv_heads: int = 4
+    vocab: int = 1024
+    max_position_embeddings: int = 2048
+    tie_embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHES:
+            raise ValueError(f"arch must be one of {SUPPORTED_ARCHES}, got {self.arch!r}")
+        for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+        if self.vocab < 300:
+            raise ValueError("vocab must be >= 300 (256 byte symbols + specials + merges)")
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    text = resources.files("pipeserve.model").joinpath("corpus.txt").read_text("utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    return tok
+
+
+def _weights(spec: DemoSpec, vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(spec.seed)
+    head_dim = spec.hidden // spec.heads
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g, dtype=torch.float32) * std
+
+    def norm_weight() -> torch.Tensor:
+        return 1.0 + normal((spec.hidden,), 0.1)
+
+    h, inter = spec.hidden, spec.intermediate
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal((vocab, h), 0.25)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight()
+        w[p + "post_attention_layernorm.weight"] = norm_weight()
+        w[p + "self_attn.q_proj.weight"] = normal((spec.heads * head_dim, h), 1 / math.sqrt(h))
+        w[p + "self_attn.k_proj.weight"] = normal((spec.kv_heads * head_dim, h), 1 / math.sqrt(h))
+        w[p + "self_attn.v_proj.weight"] = normal((spec.kv_heads * head_dim, h), 1 / math.sqrt(h))
+        w[p + "self_attn.o_proj.weight"] = normal((h, spec.heads * head_dim), 1 / math.sqrt(h))
+        if spec.arch == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = normal((spec.heads * head_dim,), 0.1)
+            w[p + "self_attn.k_proj.bias"] = normal((spec.kv_heads * head_dim,), 0.1)
+            w[p + "self_attn.v_proj.bias"] = normal((spec.kv_heads * head_dim,), 0.1)
+        w[p + "mlp.gate_proj.weight"] = normal((inter, h), 1 / math.sqrt(h))
+        w[p + "mlp.up_proj.weight"] = normal((inter, h), 1 / math.sqrt(h))
+        w[p + "mlp.down_proj.weight"] = normal((h, inter), 1 / math.sqrt(inter))
+    w["model.norm.weight"] = norm_weight()
+    if not spec.tie_embeddings:
+        w["lm_head.weight"] = normal((vocab, h), 4 / math.sqrt(h))
+    return w
+
+
+def _config(spec: DemoSpec, vocab: int, eos_ids: list[int]) -> dict:
+    cfg: dict = {
+        "architectures": ["LlamaForCausalLM" if spec.arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": spec.arch,
+        "vocab_size": vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.hidden // spec.heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": eos_ids[0],
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    }
+    if spec.arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.layers)
+    return cfg
+
+
+def write_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> Path:
+    """Write the checkpoint for `spec` into `out_dir` (created if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec.vocab)
+    vocab = tok.get_vocab_size()  # the corpus may yield fewer merges than asked
+    eos_ids = [tok.token_to_id(EOS_TOKEN), tok.token_to_id(IM_END)]
+    tok.save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "model_max_length": spec.max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(_config(spec, vocab, eos_ids), indent=2) + "\n")
+    gen_cfg = {"eos_token_id": eos_ids, "pad_token_id": eos_ids[0], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    save_file(_weights(spec, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

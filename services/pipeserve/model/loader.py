@@ -1,0 +1,140 @@
+"""Load one stage's slice of an HF safetensors checkpoint.
+
+Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`)
+checkpoints; a stage opens only the shards that hold its tensors and reads only
+those tensors. q/k/v and gate/up are concatenated into the fused projections
+of `layers.py`. Every parameter of the stage must be filled, or loading fails
+naming the missing tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pipeserve.errors import ModelLoadError
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.layers import RotaryTable
+from pipeserve.model.stage_model import StageModel, StageSpec
+
+
+def balanced_layer_split(num_layers: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous ranges, sizes differing by at most one, larger ones first."""
+    if world_size > num_layers:
+        raise ModelLoadError(f"{world_size} stages for {num_layers} layers: each stage needs a layer")
+    base, extra = divmod(num_layers, world_size)
+    out, lo = [], 0
+    for r in range(world_size):
+        hi = lo + base + (1 if r < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    raise ModelLoadError(
+        f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
+    )
+
+
+def _stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:
+    names = []
+    if stage.is_first:
+        names.append("model.embed_tokens.weight")
+    for i in range(stage.layer_lo, stage.layer_hi):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q", "k", "v"):
+            names.append(p + f"self_attn.{proj}_proj.weight")
+            if cfg.attention_bias:
+                names.append(p + f"self_attn.{proj}_proj.bias")
+        names += [p + "self_attn.o_proj.weight"]
+        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+    if stage.is_last:
+        names.append("model.norm.weight")
+        names.append("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    return list(dict.fromkeys(names))
+
+
+def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
+    """Read exactly the checkpoint tensors `stage` needs, in cfg.dtype."""
+    path = Path(model_dir)
+    files = _weight_files(path)
+    wanted = _stage_tensor_names(cfg, stage)
+    missing = [n for n in wanted if n not in files]
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks tensors: {', '.join(missing[:5])}")
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in wanted:
+        by_file[files[name]].append(name)
+    out: dict[str, torch.Tensor] = {}
+    for fpath, names in by_file.items():
+        if not fpath.is_file():
+            raise ModelLoadError(f"weight shard {fpath} is missing (named in the index)")
+        with safe_open(str(fpath), framework="pt") as f:
+            for name in names:
+                out[name] = f.get_tensor(name).to(cfg.dtype)
+    return out
+
+
+def _fuse(t: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> StageModel parameter names."""
+    params: dict[str, torch.Tensor] = {}
+    if stage.is_first:
+        params["embed_tokens.weight"] = t["model.embed_tokens.weight"]
+    for local, i in enumerate(range(stage.layer_lo, stage.layer_hi)):
+        src, dst = f"model.layers.{i}.", f"layers.{local}."
+        params[dst + "input_layernorm.weight"] = t[src + "input_layernorm.weight"]
+        params[dst + "post_attention_layernorm.weight"] = t[src + "post_attention_layernorm.weight"]
+        params[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [t[src + f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")]
+        )
+        if cfg.attention_bias:
+            params[dst + "self_attn.qkv_proj.bias"] = torch.cat(
+                [t[src + f"self_attn.{p}_proj.bias"] for p in ("q", "k", "v")]
+            )
+        params[dst + "self_attn.o_proj.weight"] = t[src + "self_attn.o_proj.weight"]
+        params[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [t[src + "mlp.gate_proj.weight"], t[src + "mlp.up_proj.weight"]]
+        )
+        params[dst + "mlp.down_proj.weight"] = t[src + "mlp.down_proj.weight"]
+    if stage.is_last:
+        params["norm.weight"] = t["model.norm.weight"]
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        params["lm_head.weight"] = t[head]
+    return params
+
+
+def load_stage_model(
+    model_dir: str | Path, cfg: ModelConfig, stage: StageSpec, max_len: int, device: torch.device
+) -> StageModel:
+    with torch.device("meta"):
+        model = StageModel(cfg, stage, max_len).to(cfg.dtype)
+    params = _fuse(read_stage_tensors(model_dir, cfg, stage), cfg, stage)
+    own = dict(model.named_parameters())
+    unfilled = sorted(set(own) - set(params))
+    if unfilled:
+        raise ModelLoadError(f"no checkpoint tensor for parameters: {', '.join(unfilled[:5])}")
+    for name, value in params.items():
+        if tuple(own[name].shape) != tuple(value.shape):
+            raise ModelLoadError(
+                f"shape mismatch for {name}: checkpoint {tuple(value.shape)}, "
+                f"config expects {tuple(own[name].shape)}"
+            )
+    model.load_state_dict(params, strict=False, assign=True)
+    model.rotary = RotaryTable(cfg, max_len)
+    model.requires_grad_(False)
+    return model.to(device).eval()

@@ -1,0 +1,74 @@
+"""StageModel: the slice of a decoder-only LM that one pipeline stage holds.
+
+Stage 0 owns the embedding, every stage a contiguous range of decoder layers
+[layer_lo, layer_hi), the last stage the final norm and lm_head. With one stage
+it is the whole model. forward() maps token ids (first stage) or hidden states
+(others) of the step's T rows to hidden states [T, hidden].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.layers import AttentionBatch, DecoderLayer, RMSNorm, RotaryTable
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    rank: int
+    world_size: int
+    layer_lo: int
+    layer_hi: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_hi - self.layer_lo
+
+
+class StageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, stage: StageSpec, max_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.stage = stage
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if stage.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(stage.num_layers))
+        self.rotary = RotaryTable(cfg, max_len)
+        if stage.is_last:
+            self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.norm = None
+            self.lm_head = None
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """inputs: ids [T] on the first stage, else hidden [T, hidden].
+
+        kv_cache: [layers_local, 2, N, BS, KVH, D].
+        """
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, kv_cache[i, 0], kv_cache[i, 1])
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] (the rows to sample) -> float32 logits [R, vocab]."""
+        if self.norm is None or self.lm_head is None:
+            raise RuntimeError("compute_logits called on a stage without lm_head")
+        return self.lm_head(self.norm(hidden)).float()
