@@ -91,7 +91,7 @@ def paged_attention_prefill(
     """
     length = q.shape[0]
     ctx = start_pos + length
-    bs, kvh, d = k_cache.shape[1:]
+    kvh, d = k_cache.shape[2:]
     keys = k_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
     values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
     gqa = kvh != q.shape[1]

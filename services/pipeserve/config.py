@@ -39,13 +39,21 @@ class EngineConfig:
 
         need(Path(self.model).is_dir(), "model", "must be a checkpoint directory")
         need(self.device.split(":")[0] in DEVICES, "device", f"must be one of {DEVICES}")
-        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "must be a power of 2 <= 128")
+        need(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            "must be a power of 2 <= 128",
+        )
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0")
-        need(0 < self.kv_cache_memory_fraction <= 0.9, "kv_cache_memory_fraction", "must be in (0, 0.9]")
+        need(
+            0 < self.kv_cache_memory_fraction <= 0.9,
+            "kv_cache_memory_fraction",
+            "must be in (0, 0.9]",
+        )
         need(self.stages >= 1, "stages", "must be >= 1")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
 

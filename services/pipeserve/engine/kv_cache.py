@@ -32,7 +32,11 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def num_kv_blocks(
-    config: EngineConfig, cfg: ModelConfig, num_layers: int, max_model_len: int, device: torch.device
+    config: EngineConfig,
+    cfg: ModelConfig,
+    num_layers: int,
+    max_model_len: int,
+    device: torch.device,
 ) -> int:
     per_request = -(-max_model_len // config.block_size)
     if config.num_kv_blocks is not None:

@@ -132,7 +132,9 @@ class ModelRunner:
             decode_context_lens=self._tensor(dec_lens),
             prefills=prefills,
         )
-        return PreparedStep(self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices)
+        return PreparedStep(
+            self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices
+        )
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -143,7 +145,9 @@ class ModelRunner:
         """Run this stage's layers; inputs are hidden states [T, hidden] on followers."""
         x = step.inputs if inputs is None else inputs
         if x.shape[0] != step.inputs.shape[0]:
-            raise PlanMismatch(f"received {x.shape[0]} activation rows for a {step.inputs.shape[0]}-token plan")
+            raise PlanMismatch(
+                f"received {x.shape[0]} activation rows for a {step.inputs.shape[0]}-token plan"
+            )
         return self.model(x, step.batch, self.kv_pool)
 
     @torch.inference_mode()

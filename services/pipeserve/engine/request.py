@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, stop token or stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
@@ -33,9 +33,7 @@ class Request:
     params: SamplingParams
     arrival: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] = field(
-        default_factory=list
-    )
+    output_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_ids: list[int] = field(default_factory=list)

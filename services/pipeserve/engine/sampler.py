@@ -36,9 +36,10 @@ def _filter(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     drop = ranks >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always).
+    # top_p == 1 filters nothing: a float cumsum can reach 1.0 before the tail.
     cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= cum_before >= top_p[:, None]
-    drop |= sorted_probs < (min_p * sorted_probs[:, :1])
+    drop |= (cum_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
@@ -65,9 +66,7 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 seed = specs[i].seed
                 gen = (
-                    self.generator
-                    if seed is None
-                    else _token_generator(seed, sample_indices[i], self.device)
+                    self.generator if seed is None else _token_generator(seed, sample_indices[i], self.device)
                 )
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         want_lp = [i for i, s in enumerate(specs) if s.logprobs is not None]

@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections import deque
 
 from pipeserve.engine.block_manager import BlockManager
-from pipeserve.engine.plan import NewRequest, SamplingSpec, ScheduledChunk, StepOutput, StepPlan, seal
+from pipeserve.engine.plan import (
+    NewRequest,
+    SamplingSpec,
+    ScheduledChunk,
+    StepOutput,
+    StepPlan,
+    seal,
+)
 from pipeserve.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -67,6 +74,11 @@ class Scheduler:
             self.waiting.remove(req)
         self._finish(req, FinishReason.ABORT)
         return req
+
+    @property
+    def pending_frees(self) -> list[str]:
+        """Requests the executors still hold and the next plan will free."""
+        return list(self._freed)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._freed)

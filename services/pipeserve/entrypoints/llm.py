@@ -74,7 +74,9 @@ class LLM:
         encoded = [self._encode(p) for p in prompt_list]
         for ids, p in zip(encoded, params, strict=True):
             self.engine.validate(ids, p)
-        reqs: list[Request] = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
+        reqs: list[Request] = [
+            self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)
+        ]
         texts: dict[str, str] = {}
         while self.engine.has_unfinished():
             self.engine.step()

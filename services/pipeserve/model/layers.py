@@ -96,13 +96,23 @@ class Attention(nn.Module):
         nd = batch.num_decode
         if nd == t:
             out = K.paged_attention_decode(
-                q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale
+                q,
+                k_cache,
+                v_cache,
+                batch.decode_block_tables,
+                batch.decode_context_lens,
+                self.scale,
             )
         else:
             out = torch.empty_like(q)
             if nd:
                 out[:nd] = K.paged_attention_decode(
-                    q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, self.scale
+                    q[:nd],
+                    k_cache,
+                    v_cache,
+                    batch.decode_block_tables,
+                    batch.decode_context_lens,
+                    self.scale,
                 )
             for span in batch.prefills:
                 rows = slice(span.row, span.row + span.length)

@@ -44,7 +44,7 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
         return {name: model_dir / fname for name, fname in weight_map.items()}
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            return {name: single for name in f.keys()}
     raise ModelLoadError(
         f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
     )

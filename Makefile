@@ -1,0 +1,40 @@
+# One command each, on a fresh machine (Python 3.11):
+#   make run    set up .venv, write the demo model if missing, generate from it
+#   make test   set up .venv, lint, run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-fast lint format bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pipeserve generate --prompt "Hello! How are you today?" \
+		--prompt "Tell me a short story about a lighthouse." --max-tokens 32
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,153 @@
+"""Greedy output of the engine == transformers generate, token for token (float32).
+
+Every test also checks that all KV blocks are back in the free pool afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import hf_greedy, random_prompts
+from pipeserve import LLM, SamplingParams
+from pipeserve.engine.plan import StepPlan
+
+
+def assert_matches_hf(model_dir: Path, prompts: list[list[int]], outs, max_tokens: int) -> None:
+    mismatches = []
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        want = hf_greedy(model_dir, p, max_tokens)
+        if o.outputs[0].token_ids != want:
+            mismatches.append((i, len(p), o.outputs[0].token_ids, want))
+    assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, first: {mismatches[0]}"
+
+
+def assert_pool_free(llm: LLM) -> None:
+    eng = llm.engine
+    assert not eng.has_unfinished()
+    assert eng.num_free_blocks == eng.num_total_blocks
+    assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
+    assert eng.runner.reqs == {}, "executor still holds request tables"
+
+
+def record_plans(llm: LLM) -> list[StepPlan]:
+    plans: list[StepPlan] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording() -> StepPlan:
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    return plans
+
+
+def test_mixed_batch_matches_hf(model_dir: Path) -> None:
+    prompts = random_prompts(18, 1, 40, 1024, seed=1) + random_prompts(6, 150, 420, 1024, seed=2)
+    prompts[0] = prompts[0][:1]  # a one-token prompt
+    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=1024)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert_matches_hf(model_dir, prompts, outs, 24)
+    assert_pool_free(llm)
+
+
+def test_tiny_chunk_budget_matches_hf(model_dir: Path) -> None:
+    prompts = random_prompts(6, 20, 90, 1024, seed=3)
+    llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=256, max_num_batched_tokens=7)
+    plans = record_plans(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert_matches_hf(model_dir, prompts, outs, 12)
+    assert max(p.num_tokens for p in plans) <= 7
+    partial = [c for p in plans for c in p.chunks if c.sample_index < 0]
+    assert len(partial) >= len(prompts), "prompts were not split into several chunks"
+    assert_pool_free(llm)
+
+
+def test_prefix_cache_hits_match_hf(model_dir: Path) -> None:
+    base = random_prompts(1, 100, 100, 1024, seed=4)[0]
+    others = random_prompts(3, 5, 40, 1024, seed=5)
+    prompts = [base, base + others[0], base[:50] + others[1], base + others[2], base]
+    llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=256)
+    first = llm.generate([base], SamplingParams(temperature=0, max_tokens=16))
+    stats = llm.engine.block_manager.stats
+    hits_before = stats.hit_tokens
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    assert stats.hit_tokens - hits_before >= 4 * 48, "shared prefixes were recomputed"
+    assert outs[0].num_cached_tokens == 96  # 6 full blocks; the last token is always computed
+    assert first[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    assert_matches_hf(model_dir, prompts, outs, 16)
+    assert_pool_free(llm)
+
+
+def test_preemption_matches_hf(model_dir: Path) -> None:
+    prompts = random_prompts(8, 40, 70, 1024, seed=6)
+    # 20 blocks of 16 hold ~320 tokens; 8 requests need ~8 x 110.
+    llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=20, enable_prefix_caching=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    assert llm.engine.scheduler.num_preemptions > 0, "pool was large enough: no preemption"
+    assert_matches_hf(model_dir, prompts, outs, 40)
+    assert_pool_free(llm)
+
+
+def test_preemption_with_prefix_cache_matches_hf(llama_dir: Path) -> None:
+    shared = random_prompts(1, 48, 48, 1024, seed=7)[0]
+    prompts = [shared + p for p in random_prompts(6, 10, 30, 1024, seed=8)]
+    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=18)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.stats.hit_tokens > 0
+    assert_matches_hf(llama_dir, prompts, outs, 40)
+    assert_pool_free(llm)
+
+
+def test_eos_and_max_tokens_finish(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=64)
+    prompts = random_prompts(8, 5, 30, 1024, seed=9)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200))
+    eos = set(llm.engine.model_config.eos_token_ids)
+    for p, o in zip(prompts, outs, strict=True):
+        c = o.outputs[0]
+        want = hf_greedy(llama_dir, p, 200)
+        assert c.token_ids == want
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in eos
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) in (200, 256 - len(p))
+    assert_pool_free(llm)
+
+
+def test_ignore_eos_runs_to_max_tokens(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=64)
+    prompts = random_prompts(4, 5, 30, 1024, seed=10)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(llama_dir, p, 60, ignore_eos=True)
+        assert o.outputs[0].finish_reason == "length"
+
+
+def test_context_limit_finishes_with_length(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=64, num_kv_blocks=16)
+    prompt = random_prompts(1, 50, 50, 1024, seed=11)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 14 and out.outputs[0].finish_reason == "length"
+    assert_pool_free(llm)
+
+
+def test_text_prompt_and_stop(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=64)
+    full = llm.generate("Hello! How are you today?", SamplingParams(temperature=0, max_tokens=20))[0]
+    text = full.outputs[0].text
+    assert text and full.outputs[0].token_ids == hf_greedy(llama_dir, full.prompt_token_ids, 20)
+    stop = text[5:8]
+    cut = llm.generate(
+        ["Hello! How are you today?"], SamplingParams(temperature=0, max_tokens=20, stop=[stop])
+    )[0]
+    assert cut.outputs[0].text == text[: text.find(stop)]
+    assert cut.outputs[0].finish_reason == "stop"
+    tok = full.outputs[0].token_ids[3]
+    by_id = llm.generate(
+        ["Hello! How are you today?"],
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok]),
+    )[0]
+    assert by_id.outputs[0].token_ids == full.outputs[0].token_ids[:4]
+    assert_pool_free(llm)
