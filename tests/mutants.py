@@ -1,0 +1,106 @@
+"""Mutation check: break one invariant at a time and show the suite going red.
+
+    .venv/bin/python tests/mutants.py          # all mutants
+    .venv/bin/python tests/mutants.py 0 3      # by index
+
+Each mutant replaces one snippet of the engine, runs the tests that guard that
+rule, and restores the file. A mutant reported GREEN is a hole in the tests.
+Exit status is the number of GREEN mutants.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+MUTANTS = [
+    (
+        "prefill mask ignores cached prefix",
+        "kernels/reference.py",
+        "    if start_pos == 0:\n        out = F.scaled",
+        "    if True:\n        out = F.scaled",
+        "tests/test_engine_correctness.py -k 'prefix or chunk'",
+    ),
+    (
+        "preempted request never requeued",
+        "services/pipeserve/engine/scheduler.py",
+        "        self.waiting.appendleft(req)",
+        "        pass",
+        "tests/test_engine_correctness.py -k preemption",
+    ),
+    (
+        "release leaks a block",
+        "services/pipeserve/engine/block_manager.py",
+        "        for bid in reversed(req.block_ids):",
+        "        for bid in reversed(req.block_ids[1:]):",
+        "tests/test_engine_correctness.py -k mixed",
+    ),
+    (
+        "runner skips block range check",
+        "services/pipeserve/engine/model_runner.py",
+        "            bad = [b for b in c.new_block_ids if not 0 <= b < self.num_blocks]",
+        "            bad = []",
+        "tests/test_plan_congruence.py",
+    ),
+    (
+        "rope scaling ignored",
+        "services/pipeserve/model/config.py",
+        "        if self.rope_scaling is None:\n            return inv",
+        "        if True:\n            return inv",
+        "tests/test_loader.py -k rope",
+    ),
+    (
+        "seeded sampling uses batch generator",
+        "services/pipeserve/engine/sampler.py",
+        "self.generator if seed is None else",
+        "self.generator if True else",
+        "tests/test_sampling.py -k seed",
+    ),
+    (
+        "prefix hit skips token comparison and hashes ignore prefix",
+        "services/pipeserve/engine/block_manager.py",
+        "            prev = chain_hash(prev, toks)",
+        "            prev = chain_hash(0, toks)",
+        "tests/test_engine_correctness.py -k prefix",
+    ),
+    (
+        "executor tables not freed",
+        "services/pipeserve/engine/model_runner.py",
+        "            if self.reqs.pop(rid, None) is None:",
+        "            if self.reqs.get(rid, None) is None:",
+        "tests/test_engine_correctness.py -k mixed",
+    ),
+    (
+        "stop check ignores eos",
+        "services/pipeserve/engine/scheduler.py",
+        "not p.ignore_eos and token in self.eos_token_ids",
+        "False",
+        "tests/test_engine_correctness.py -k eos",
+    ),
+    (
+        "digest check skipped",
+        "services/pipeserve/engine/model_runner.py",
+        "        if digest != plan.digest:",
+        "        if False:",
+        "tests/test_plan_congruence.py",
+    ),
+]
+only = sys.argv[1:]
+green = 0
+for name, path, old, new, tests in [MUTANTS[int(i)] for i in only] if only else MUTANTS:
+    p = pathlib.Path(path)
+    src = p.read_text()
+    assert old in src, name
+    p.write_text(src.replace(old, new, 1))
+    try:
+        r = subprocess.run(
+            f".venv/bin/python -m pytest -q -x -p no:cacheprovider {tests}",
+            shell=True,
+            capture_output=True,
+            text=True,
+        )
+        last = r.stdout.strip().splitlines()[-1]
+        print(f"{'RED  ' if r.returncode else 'GREEN'} {name}: {last}", flush=True)
+        green += r.returncode == 0
+    finally:
+        p.write_text(src)
+sys.exit(green)
