@@ -151,3 +151,37 @@ def test_text_prompt_and_stop(llama_dir: Path) -> None:
     )[0]
     assert by_id.outputs[0].token_ids == full.outputs[0].token_ids[:4]
     assert_pool_free(llm)
+
+
+def test_abort_mid_decode_frees_blocks_and_others_continue(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=64)
+    eng = llm.engine
+    prompts = random_prompts(3, 20, 40, 1024, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while len(reqs[1].output_token_ids) < 5:
+        eng.step()
+    held = len(reqs[1].block_ids)
+    free_before = eng.num_free_blocks
+    assert eng.abort(reqs[1].req_id) is reqs[1]
+    assert reqs[1].finish_reason == "abort" and reqs[1].block_ids == []
+    assert eng.num_free_blocks == free_before + held
+    assert eng.abort(reqs[1].req_id) is None  # second abort is a no-op
+    while eng.has_unfinished():
+        eng.step()
+    for i in (0, 2):
+        assert reqs[i].output_token_ids == hf_greedy(llama_dir, prompts[i], 30, ignore_eos=True)
+    assert_pool_free(llm)
+
+
+def test_abort_waiting_request(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=64, max_num_seqs=1)
+    eng = llm.engine
+    a = eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+    b = eng.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=4))
+    eng.step()
+    assert eng.abort(b.req_id) is b and b.num_computed == 0
+    while eng.has_unfinished():
+        eng.step()
+    assert a.output_token_ids == hf_greedy(llama_dir, [1, 2, 3], 4)
+    assert_pool_free(llm)
