@@ -62,18 +62,19 @@ def paged_attention_decode(
     """One query token per row. q [B, H, D] -> [B, H, D].
 
     Row b attends to the first context_lens[b] slots of its block table
-    (its own token included: store_kv ran first).
+    (its own token included: store_kv ran first). Query head h reads kv head
+    h // (H / KVH), as transformers' repeat_kv; the G query heads of a kv head
+    are batched as G query rows so K/V are never repeated.
     """
     b, nb = block_tables.shape
     bs, kvh, d = k_cache.shape[1:]
+    g = q.shape[1] // kvh
     keys = k_cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
     values = v_cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=kvh != q.shape[1]
-    )
-    return out.squeeze(2)
+    out = F.scaled_dot_product_attention(q.view(b, kvh, g, d), keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(b, kvh * g, d)
 
 
 def paged_attention_prefill(
@@ -87,19 +88,17 @@ def paged_attention_prefill(
     """A chunk of L query tokens of one sequence at positions start_pos..start_pos+L-1.
 
     q [L, H, D] -> [L, H, D]; keys are slots 0..start_pos+L-1 of block_table
-    [nb] (the chunk's own keys already stored); causal.
+    [nb] (the chunk's own keys already stored); causal. Grouped like the
+    decode op: rows of the attention are (query head within group, token).
     """
-    length = q.shape[0]
+    length, heads, d = q.shape
     ctx = start_pos + length
-    kvh, d = k_cache.shape[2:]
+    kvh = k_cache.shape[2]
+    g = heads // kvh
     keys = k_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
     values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
-    gqa = kvh != q.shape[1]
-    qh = q.transpose(0, 1)
-    if start_pos == 0:
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        rows = torch.arange(length, device=q.device)[:, None] + start_pos
-        mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    qg = q.transpose(0, 1).reshape(kvh, g * length, d)
+    rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos
+    mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [G*L, ctx]
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return out.view(heads, length, d).transpose(0, 1)

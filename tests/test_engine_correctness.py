@@ -46,8 +46,19 @@ def test_mixed_batch_matches_hf(model_dir: Path) -> None:
     prompts = random_prompts(18, 1, 40, 1024, seed=1) + random_prompts(6, 150, 420, 1024, seed=2)
     prompts[0] = prompts[0][:1]  # a one-token prompt
     llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=1024)
+    runner = llm.engine.runner
+    prepare = runner.prepare
+    decode_groups: list[int] = []
+
+    def recording(plan: StepPlan):
+        step = prepare(plan)
+        decode_groups.append(len(step.batch.decodes))
+        return step
+
+    runner.prepare = recording  # type: ignore[method-assign]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     assert_matches_hf(model_dir, prompts, outs, 24)
+    assert max(decode_groups) >= 2, "decode rows were never split by context length"
     assert_pool_free(llm)
 
 

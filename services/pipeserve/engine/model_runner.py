@@ -16,8 +16,10 @@ import torch
 
 from pipeserve.engine.plan import SampledToken, SamplingSpec, StepOutput, StepPlan, plan_digest
 from pipeserve.engine.sampler import Sampler
-from pipeserve.model.layers import AttentionBatch, PrefillSpan
+from pipeserve.model.layers import AttentionBatch, DecodeGroup, PrefillSpan
 from pipeserve.model.stage_model import StageModel
+
+MIN_DECODE_GROUP = 8
 
 
 class PlanMismatch(RuntimeError):
@@ -90,7 +92,11 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> PreparedStep:
         bs = self.block_size
-        chunks = sorted(plan.chunks, key=lambda c: len(c.token_ids) != 1)  # decode rows first
+        # Decode rows first, longest context first (so DecodeGroups pad little), then prefills.
+        chunks = sorted(
+            plan.chunks,
+            key=lambda c: (len(c.token_ids) != 1, -c.start_pos if len(c.token_ids) == 1 else 0),
+        )
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -118,8 +124,6 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sample_req_ids.append(c.req_id)
                 sample_indices.append(c.sample_index)
-        width = max((len(t) for t in dec_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in dec_tables]
         pos_t = self._tensor(positions)
         cos, sin = self.model.rotary.gather(pos_t)
         batch = AttentionBatch(
@@ -128,13 +132,36 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             num_decode=len(dec_tables),
-            decode_block_tables=self._tensor(padded).view(len(padded), width),
-            decode_context_lens=self._tensor(dec_lens),
+            decodes=self._decode_groups(dec_tables, dec_lens),
             prefills=prefills,
         )
         return PreparedStep(
             self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices
         )
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decode rows (sorted by context length, descending) into groups.
+
+        A group closes when the next row's context is under 3/4 of the group's
+        longest and the group has MIN_DECODE_GROUP rows: padding stays under
+        ~25% while small groups do not multiply kernel calls.
+        """
+        groups: list[DecodeGroup] = []
+        start = 0
+        for i in range(1, len(lens) + 1):
+            if i == len(lens) or (4 * lens[i] < 3 * lens[start] and i - start >= MIN_DECODE_GROUP):
+                width = len(tables[start])
+                padded = [t + [0] * (width - len(t)) for t in tables[start:i]]
+                groups.append(
+                    DecodeGroup(
+                        start,
+                        i - start,
+                        self._tensor(padded).view(i - start, width),
+                        self._tensor(lens[start:i]),
+                    )
+                )
+                start = i
+        return groups
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

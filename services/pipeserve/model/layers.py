@@ -27,11 +27,25 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Rows [row, row+n) are single-token rows of similar context length.
+
+    Decode attention pads every row of a group to the group's longest context,
+    so rows are grouped by length to bound the padding.
+    """
+
+    row: int
+    n: int
+    block_tables: torch.Tensor  # [n, max_blocks] long, 0-padded
+    context_lens: torch.Tensor  # [n] long
+
+
+@dataclass
 class AttentionBatch:
     """Per-step attention inputs, shared by every layer of the stage.
 
-    Rows [0, num_decode) are single-token rows batched together; PrefillSpans
-    follow. cos/sin are already gathered for `positions`.
+    DecodeGroups cover rows [0, num_decode); PrefillSpans follow. cos/sin are
+    already gathered for `positions`.
     """
 
     positions: torch.Tensor  # [T] long
@@ -39,8 +53,7 @@ class AttentionBatch:
     cos: torch.Tensor  # [T, D]
     sin: torch.Tensor  # [T, D]
     num_decode: int
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] long
-    decode_context_lens: torch.Tensor  # [num_decode] long
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -93,26 +106,17 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = K.apply_rotary(q, k, batch.cos, batch.sin)
         K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        nd = batch.num_decode
-        if nd == t:
+        if len(batch.decodes) == 1 and batch.num_decode == t:
+            group = batch.decodes[0]
             out = K.paged_attention_decode(
-                q,
-                k_cache,
-                v_cache,
-                batch.decode_block_tables,
-                batch.decode_context_lens,
-                self.scale,
+                q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale
             )
         else:
             out = torch.empty_like(q)
-            if nd:
-                out[:nd] = K.paged_attention_decode(
-                    q[:nd],
-                    k_cache,
-                    v_cache,
-                    batch.decode_block_tables,
-                    batch.decode_context_lens,
-                    self.scale,
+            for group in batch.decodes:
+                rows = slice(group.row, group.row + group.n)
+                out[rows] = K.paged_attention_decode(
+                    q[rows], k_cache, v_cache, group.block_tables, group.context_lens, self.scale
                 )
             for span in batch.prefills:
                 rows = slice(span.row, span.row + span.length)
