@@ -58,6 +58,7 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row. q [B, H, D] -> [B, H, D].
 
@@ -65,12 +66,21 @@ def paged_attention_decode(
     (its own token included: store_kv ran first). Query head h reads kv head
     h // (H / KVH), as transformers' repeat_kv; the G query heads of a kv head
     are batched as G query rows so K/V are never repeated.
+
+    workspace [2, >= B*max_blocks, BS, KVH, D], if given, receives the gathered
+    blocks; a buffer reused across calls avoids page-faulting a fresh one.
     """
     b, nb = block_tables.shape
     bs, kvh, d = k_cache.shape[1:]
     g = q.shape[1] // kvh
-    keys = k_cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
-    values = v_cache[block_tables].view(b, nb * bs, kvh, d).transpose(1, 2)
+    flat = block_tables.reshape(-1)
+    if workspace is None:
+        k_blocks, v_blocks = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    else:
+        k_blocks = torch.index_select(k_cache, 0, flat, out=workspace[0, : b * nb])
+        v_blocks = torch.index_select(v_cache, 0, flat, out=workspace[1, : b * nb])
+    keys = k_blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
+    values = v_blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
     out = F.scaled_dot_product_attention(q.view(b, kvh, g, d), keys, values, attn_mask=mask, scale=scale)
@@ -100,5 +110,6 @@ def paged_attention_prefill(
     qg = q.transpose(0, 1).reshape(kvh, g * length, d)
     rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos
     mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [G*L, ctx]
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    return out.view(heads, length, d).transpose(0, 1)
+    # A leading batch dim selects torch's fused CPU attention over the generic path.
+    out = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask, scale=scale)
+    return out[0].view(heads, length, d).transpose(0, 1)

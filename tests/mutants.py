@@ -16,9 +16,16 @@ MUTANTS = [
     (
         "prefill mask ignores cached prefix",
         "kernels/reference.py",
-        "    if start_pos == 0:\n        out = F.scaled",
-        "    if True:\n        out = F.scaled",
+        "    rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos",
+        "    rows = torch.arange(length, device=q.device).repeat(g)[:, None]",
         "tests/test_engine_correctness.py -k 'prefix or chunk'",
+    ),
+    (
+        "decode group attends to its padding",
+        "services/pipeserve/engine/model_runner.py",
+        "                        self._tensor(lens[start:i]),",
+        "                        self._tensor([lens[start]] * (i - start)),",
+        "tests/test_engine_correctness.py -k mixed",
     ),
     (
         "preempted request never requeued",

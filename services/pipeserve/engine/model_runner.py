@@ -53,6 +53,7 @@ class ModelRunner:
         self.device = kv_pool.device
         self.sampler = Sampler(self.device, seed)
         self.reqs: dict[str, _ReqState] = {}
+        self._workspace: torch.Tensor | None = None
 
     # --- plan -> state ------------------------------------------------------
     def apply(self, plan: StepPlan) -> int:
@@ -132,8 +133,9 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             num_decode=len(dec_tables),
-            decodes=self._decode_groups(dec_tables, dec_lens),
+            decodes=(decodes := self._decode_groups(dec_tables, dec_lens)),
             prefills=prefills,
+            workspace=self._decode_workspace(max((g.block_tables.numel() for g in decodes), default=0)),
         )
         return PreparedStep(
             self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices
@@ -162,6 +164,17 @@ class ModelRunner:
                 )
                 start = i
         return groups
+
+    def _decode_workspace(self, blocks: int) -> torch.Tensor | None:
+        """Scratch for `blocks` gathered K and V blocks; grows by doubling up to the pool size."""
+        if blocks == 0:
+            return None
+        if self._workspace is None or self._workspace.shape[1] < blocks:
+            _, _, _, bs, kvh, d = self.kv_pool.shape
+            doubled = 0 if self._workspace is None else 2 * self._workspace.shape[1]
+            size = max(blocks, min(doubled, self.num_blocks))
+            self._workspace = self.kv_pool.new_empty((2, size, bs, kvh, d))
+        return self._workspace
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -55,6 +55,8 @@ class AttentionBatch:
     num_decode: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    # [2, blocks, BS, KVH, D] scratch for decode gathers, reused by every layer and step.
+    workspace: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -109,14 +111,20 @@ class Attention(nn.Module):
         if len(batch.decodes) == 1 and batch.num_decode == t:
             group = batch.decodes[0]
             out = K.paged_attention_decode(
-                q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale
+                q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale, batch.workspace
             )
         else:
             out = torch.empty_like(q)
             for group in batch.decodes:
                 rows = slice(group.row, group.row + group.n)
                 out[rows] = K.paged_attention_decode(
-                    q[rows], k_cache, v_cache, group.block_tables, group.context_lens, self.scale
+                    q[rows],
+                    k_cache,
+                    v_cache,
+                    group.block_tables,
+                    group.context_lens,
+                    self.scale,
+                    batch.workspace,
                 )
             for span in batch.prefills:
                 rows = slice(span.row, span.row + span.length)

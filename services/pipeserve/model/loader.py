@@ -86,7 +86,8 @@ def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec
             raise ModelLoadError(f"weight shard {fpath} is missing (named in the index)")
         with safe_open(str(fpath), framework="pt") as f:
             for name in names:
-                out[name] = f.get_tensor(name).to(cfg.dtype)
+                # A copy: a tensor left on the file's mmap keeps its pages resident.
+                out[name] = f.get_tensor(name).to(cfg.dtype, copy=True)
     return out
 
 
