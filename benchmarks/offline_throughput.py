@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 ENGINES = ("pipeserve", "hf")
-MB = 1 << 20
+MIB = 1 << 20
 RSS_SLACK_BYTES = 300 * 1000 * 1000
 BUSY_WARNING = 0.05  # others' share of the CPUs above which timings are suspect
 KERNEL_PREFIX = "  kernel "  # PhaseTimer keys of pipeserve_kernels functions
@@ -312,13 +312,13 @@ def report(
         f"workload: {args.num_requests} requests, prompt len {args.prompt_len}, "
         f"output len {args.output_len}, seed {args.seed}, {threads} torch threads"
     )
-    header = ("engine", "wall s", "useful tok", "tok/s", "generated", "peak RSS MB", "others' CPU")
-    print("\n{:<13} {:>9} {:>11} {:>9} {:>10} {:>12} {:>12}".format(*header))
+    header = ("engine", "wall s", "useful tok", "tok/s", "generated", "peak RSS MiB", "others' CPU")
+    print("\n{:<13} {:>9} {:>11} {:>9} {:>10} {:>13} {:>12}".format(*header))
     for engine, r in results.items():
         r["tok_per_s"] = r["useful_tokens"] / r["wall_s"]
         print(
             f"{names[engine]:<13} {r['wall_s']:>9.1f} {r['useful_tokens']:>11} {r['tok_per_s']:>9.1f} "
-            f"{r['generated_tokens']:>10} {r['peak_rss_bytes'] / MB:>12.0f} {r['others_cpu_share']:>12.0%}"
+            f"{r['generated_tokens']:>10} {r['peak_rss_bytes'] / MIB:>13.0f} {r['others_cpu_share']:>12.0%}"
         )
     if any(r["others_cpu_share"] > BUSY_WARNING for r in results.values()):
         print(f"WARNING: other processes used over {BUSY_WARNING:.0%} of the CPUs during a run; rerun")
@@ -340,17 +340,17 @@ def report(
         r = results["pipeserve"]
         bound = 1.25 * (r["weights_bytes"] + r["kv_pool_bytes"] + RSS_SLACK_BYTES)
         print(
-            f"\npipeserve memory: weights {r['weights_bytes'] / MB:.0f} MB, KV pool "
-            f"{r['kv_pool_bytes'] / MB:.0f} MB ({r['kv_blocks']} blocks), preemptions {r['preemptions']}"
+            f"\npipeserve memory: weights {r['weights_bytes'] / MIB:.0f} MiB, KV pool "
+            f"{r['kv_pool_bytes'] / MIB:.0f} MiB ({r['kv_blocks']} blocks), preemptions {r['preemptions']}"
         )
-        print(f"  bound 1.25 x (weights + pool + 300 MB) = {bound / MB:.0f} MB")
+        print(f"  bound 1.25 x (weights + pool + 300 MB) = {bound / MIB:.0f} MiB")
         peak = r["peak_rss_bytes"]
         worst = peak + r["untouched_pool_bytes"]
-        print(f"  RSS when ready (loaded, warmed up): {r['ready_rss_bytes'] / MB:.0f} MB")
-        print(f"  peak RSS as measured: {peak / MB:.0f} MB ({peak / bound:.0%} of bound)")
+        print(f"  RSS when ready (loaded, warmed up): {r['ready_rss_bytes'] / MIB:.0f} MiB")
+        print(f"  peak RSS as measured: {peak / MIB:.0f} MiB ({peak / bound:.0%} of bound)")
         print(
-            f"  pool pages never touched: {r['untouched_pool_bytes'] / MB:.0f} MB; peak + those: "
-            f"{worst / MB:.0f} MB ({worst / bound:.0%} of bound)"
+            f"  pool pages never touched: {r['untouched_pool_bytes'] / MIB:.0f} MiB; peak + those: "
+            f"{worst / MIB:.0f} MiB ({worst / bound:.0%} of bound)"
         )
         summary["rss_bound_bytes"] = bound
     return summary
