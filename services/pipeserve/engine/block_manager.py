@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,7 +114,7 @@ class BlockManager:
                 self.cached[h] = block.block_id
 
     # --- allocation ---------------------------------------------------------
-    def can_allocate(self, num_new: int, reuse: list[int] = ()) -> bool:  # type: ignore[assignment]
+    def can_allocate(self, num_new: int, reuse: Sequence[int] = ()) -> bool:
         """Room for num_new fresh blocks after taking the cached blocks `reuse`."""
         reused_free = sum(1 for b in reuse if self.blocks[b].ref_count == 0)
         return self.num_free - reused_free >= num_new

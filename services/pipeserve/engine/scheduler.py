@@ -67,13 +67,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req_id: str) -> Request | None:
-        req = self.requests.get(req_id)
-        if req is None or req.is_finished:
-            return None
-        if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        self._finish(req, FinishReason.ABORT)
-        return req
+        return self.finish(req_id, FinishReason.ABORT)
 
     @property
     def pending_frees(self) -> list[str]:
@@ -146,7 +140,7 @@ class Scheduler:
         ends_known = start + n == req.num_tokens
         return ScheduledChunk(
             req.req_id,
-            req.all_token_ids[start : start + n],
+            req.token_slice(start, start + n),
             start,
             new_blocks,
             len(req.output_token_ids) if ends_known else -1,
