@@ -2,6 +2,8 @@
 
   pipeserve demo-model DIR [--arch llama|qwen2] [--layers N] [--hidden N] ...
   pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags]
+  pipeserve stage --model DIR --rank K --world-size S (--master-addr H --master-port P
+                  | --rendezvous-file F) [--layer-split 0:3,3:6] [engine flags]
 
 Without --model, `generate` uses the demo checkpoint in $PIPESERVE_HOME
 (default ~/.cache/pipeserve), writing it on first use.
@@ -13,12 +15,18 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
 
+from pipeserve.config import add_engine_args, engine_config_from_args
+from pipeserve.errors import EXIT_GROUP_STOP, ConfigError, GroupStopped
 from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
+
+log = logging.getLogger("pipeserve.stage")
 
 
 def default_demo_model() -> Path:
@@ -83,6 +91,70 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch_parent(pid: int, rank: int) -> None:
+    """A locally launched stage exits when the process that started it is gone (no orphans)."""
+
+    def loop() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        log.error("GROUP STOP: stage %d: parent process %d exited", rank, pid)
+        os._exit(EXIT_GROUP_STOP)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def _serve_leader(config, rdzv) -> int:
+    """Stage 0 without a request server: forms the ring and keeps it alive until SIGTERM/SIGINT."""
+    from pipeserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config, rdzv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        if engine.has_unfinished():
+            engine.step()
+        else:
+            stop.wait(0.1)
+    engine.shutdown()
+    return 0
+
+
+def _stage(args: argparse.Namespace) -> int:
+    from pipeserve.stage.follower import Follower
+    from pipeserve.stage.group import Rendezvous
+    from pipeserve.stage.launcher import PARENT_ENV
+    from pipeserve.stage.worker import build_stage
+
+    missing = [n for n in ("model", "rank", "world_size") if getattr(args, n) is None]
+    if missing:
+        raise ConfigError(f"stage: missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
+    config = engine_config_from_args(args, args.model, args.world_size)
+    rdzv = Rendezvous(args.rank, args.world_size, args.master_addr, args.master_port, args.rendezvous_file)
+    if parent := os.environ.get(PARENT_ENV):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
+        _watch_parent(int(parent), args.rank)
+    try:
+        if args.rank == 0:
+            code = _serve_leader(config, rdzv)
+        else:
+            code = Follower(build_stage(config, rdzv)).run()
+    except GroupStopped as e:
+        log.error("GROUP STOP: %s", e)
+        code = EXIT_GROUP_STOP
+    # Skip interpreter teardown: destroying a process group whose receiver thread is
+    # blocked in a native wait aborts the process, turning a clean status into SIGABRT.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeserve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None)
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("stage", help="run one stage of a pipeline group")
+    s.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"))
+    s.add_argument("--rank", type=int, default=_env_int("PIPESERVE_RANK"))
+    s.add_argument("--world-size", type=int, default=_env_int("PIPESERVE_WORLD_SIZE"))
+    s.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
+    s.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"))
+    s.add_argument(
+        "--rendezvous-file",
+        default=os.environ.get("PIPESERVE_RENDEZVOUS_FILE"),
+        help="rendezvous through a file (stages on one machine) instead of MASTER_ADDR:MASTER_PORT",
+    )
+    add_engine_args(s)
+    s.set_defaults(func=_stage)
     return parser
 
 

@@ -1,18 +1,37 @@
-"""EngineConfig: every engine setting, validated in one place.
+"""EngineConfig: every engine and pipeline-group setting, validated in one place.
 
-Invalid values raise ConfigError (a ValueError) naming the field. Environment
-variables, where a setting may come from one, use the PIPESERVE_ prefix and
-are read by the CLI, not here.
+Invalid values raise ConfigError (a ValueError) naming the field. The same
+fields are the flags of `pipeserve stage` (`--max-num-seqs` ...), built from
+this class by `add_engine_args`, so a launcher turns a config back into the
+argv of a stage process with `engine_args_argv` and nothing is listed twice.
+Environment variables use the PIPESERVE_ prefix and are read by the CLI.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from pipeserve.errors import ConfigError
 
 DEVICES = ("cpu", "cuda")
+
+
+def parse_layer_split(text: str) -> list[tuple[int, int]]:
+    """'0:3,3:6' -> [(0, 3), (3, 6)]: contiguous, non-empty ranges starting at 0."""
+    try:
+        ranges = [(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise ConfigError(f"layer_split: expected 'lo:hi,lo:hi,...' (got {text!r})") from None
+    expect = 0
+    for lo, hi in ranges:
+        if lo != expect or hi <= lo:
+            raise ConfigError(f"layer_split: ranges must be contiguous and non-empty from 0 (got {text!r})")
+        expect = hi
+    return ranges
 
 
 @dataclass(frozen=True)
@@ -22,15 +41,22 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (one microbatch)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit pool size (tests); wins over kv_cache_gb
     kv_cache_gb: float | None = None  # None: a share of available memory, see kv_cache.py
     kv_cache_memory_fraction: float = 0.25
     enable_prefix_caching: bool = True
-    stages: int = 1
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    # --- pipeline group ---
+    stages: int = 1
+    layer_split: str | None = None  # '0:3,3:6'; None: balanced by layer count
+    max_inflight: int | None = None  # microbatches in the ring; None: one per stage
+    ring_timeout_s: float = 60.0  # deadline of every wait on a ring link
+    heartbeat_s: float = 1.0  # an idle stage 0 sends a heartbeat round the ring this often
+    connect_timeout_s: float = 300.0  # deadline for the group to form (all stages loaded and joined)
+    log_dir: str | None = None  # local launcher: stage k logs to log_dir/stage-k.log
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -54,9 +80,72 @@ class EngineConfig:
             "kv_cache_memory_fraction",
             "must be in (0, 0.9]",
         )
-        need(self.stages >= 1, "stages", "must be >= 1")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        need(self.stages >= 1, "stages", "must be >= 1")
+        if self.layer_split is not None:
+            need(len(self.split_ranges()) == self.stages, "layer_split", f"needs {self.stages} ranges")
+        need(self.max_inflight is None or self.max_inflight >= 1, "max_inflight", "must be >= 1")
+        need(self.ring_timeout_s > 0, "ring_timeout_s", "must be > 0")
+        need(
+            0 < self.heartbeat_s < self.ring_timeout_s / 2,
+            "heartbeat_s",
+            "must be > 0 and under half of ring_timeout_s",
+        )
+        need(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+
+    def split_ranges(self) -> list[tuple[int, int]] | None:
+        return None if self.layer_split is None else parse_layer_split(self.layer_split)
+
+    @property
+    def inflight(self) -> int:
+        return self.max_inflight if self.max_inflight is not None else self.stages
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+# --- command-line form -------------------------------------------------------
+# Fields a stage process takes from its launcher, not from its own flags.
+_NOT_FLAGS = {"model", "stages", "log_dir"}
+
+
+def _flag_type(annotation: str) -> type:
+    hint = typing.get_type_hints(EngineConfig)[annotation]
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (`--max-num-seqs`), defaulting to the field's default."""
+    for f in fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _flag_type(f.name)
+        default = None if f.default is MISSING else f.default
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=kind, default=default)
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str, stages: int) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in _NOT_FLAGS}
+    return EngineConfig(model=model, stages=stages, **values)
+
+
+def engine_args_argv(config: EngineConfig) -> list[str]:
+    """The flags that reproduce `config` through add_engine_args (defaults omitted)."""
+    argv: list[str] = []
+    for f in fields(EngineConfig):
+        value = getattr(config, f.name)
+        if f.name in _NOT_FLAGS or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

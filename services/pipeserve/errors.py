@@ -21,3 +21,14 @@ class ConfigError(ValueError):
 
 class ModelLoadError(RuntimeError):
     """A checkpoint cannot be served: missing files/tensors or an unsupported architecture."""
+
+
+class GroupStopped(RuntimeError):
+    """A pipeline group stopped: a plan mismatch, a dead or silent peer, or an expired deadline.
+
+    The message is the one line that names the cause; every stage of the group exits
+    non-zero, and stage 0's caller (the LLM driver, the server) gets this exception.
+    """
+
+
+EXIT_GROUP_STOP = 3  # exit status of every stage of a stopped group

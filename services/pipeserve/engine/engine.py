@@ -1,8 +1,9 @@
 """LLMEngine: stage 0's loop — schedule, execute, update.
 
-`step()` runs one plan through the executor and returns the requests that
-finished in it. With one stage the executor is the in-process ModelRunner;
-a pipeline group swaps in an executor that sends the plan around the ring.
+`step()` sends every plan the ring can take (up to max_inflight; one with a
+single stage), then waits for the oldest plan's result and applies it,
+returning the requests that finished. The executor is the in-process
+ModelRunner for one stage, or the ring of stage processes (stage/leader.py).
 """
 
 from __future__ import annotations
@@ -10,53 +11,39 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-
-import torch
+from collections import deque
 
 from pipeserve.config import EngineConfig
 from pipeserve.engine.block_manager import BlockManager
-from pipeserve.engine.kv_cache import allocate_pool, num_kv_blocks
-from pipeserve.engine.model_runner import ModelRunner
+from pipeserve.engine.executor import LocalExecutor
+from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import Scheduler
-from pipeserve.errors import ConfigError, InvalidRequestError
-from pipeserve.model.config import ModelConfig
-from pipeserve.model.loader import balanced_layer_split, load_stage_model
-from pipeserve.model.stage_model import StageSpec
+from pipeserve.errors import ConfigError, GroupStopped, InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.stage.group import Rendezvous
+from pipeserve.stage.leader import PipelineExecutor
+from pipeserve.stage.worker import build_stage
 
 log = logging.getLogger(__name__)
 
 
-def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None and cfg.sliding_window < limit:
-        # Attention here is full-context; capping at the window keeps it exact.
-        log.warning("capping max_model_len at sliding_window=%d", cfg.sliding_window)
-        limit = cfg.sliding_window
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ConfigError(f"max_model_len: {config.max_model_len} exceeds the model's limit {limit}")
-    return config.max_model_len
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.stages != 1:
-            raise ConfigError("stages: this engine runs one stage; pipeline groups are not built yet")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
+        if config.stages > 1 and rendezvous is None:
+            raise ConfigError("stages: a group of several stages needs a rendezvous (LLM starts one)")
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model, config.dtype)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
-        device = torch.device(config.device)
-        (lo, hi) = balanced_layer_split(self.model_config.num_layers, 1)[0]
-        stage = StageSpec(0, 1, lo, hi)
-        model = load_stage_model(config.model, self.model_config, stage, self.max_model_len, device)
-        blocks = num_kv_blocks(config, self.model_config, stage.num_layers, self.max_model_len, device)
-        pool = allocate_pool(self.model_config, stage.num_layers, blocks, config.block_size, device)
-        self.runner = ModelRunner(model, pool, config.block_size, config.seed)
+        stage = build_stage(config, rendezvous)
+        self.model_config = stage.model_config
+        self.max_model_len = stage.max_model_len
+        self.runner = stage.runner
+        self.executor: LocalExecutor | PipelineExecutor
+        if stage.link is None:
+            self.executor = LocalExecutor(stage.runner)
+        else:
+            self.executor = PipelineExecutor(stage)
+            self.executor.form_ring()
+        blocks = stage.num_blocks
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -66,14 +53,9 @@ class LLMEngine:
             self.model_config.eos_token_ids,
         )
         self._ids = itertools.count()
-        log.info(
-            "engine ready: %s, %d layers, %d KV blocks of %d tokens, max_model_len %d",
-            self.model_config.model_type,
-            stage.num_layers,
-            blocks,
-            config.block_size,
-            self.max_model_len,
-        )
+        self._inflight: deque[StepPlan] = deque()
+        # The latest report of every stage (rank order), from the last result.
+        self.stage_reports: list[StageReport] = []
 
     # --- requests -----------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -113,18 +95,36 @@ class LLMEngine:
         return self.scheduler.finish(req_id, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or plans (frees included) the executors have not finished."""
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     # --- loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
-        plan = self.scheduler.schedule()
-        if plan.is_empty():
-            return []
-        output = self.runner.execute(plan)
-        diverged = [i for i, d in enumerate(output.digests) if d != plan.digest]
-        if diverged:
-            raise RuntimeError(f"step {plan.step_id}: stages {diverged} executed a different plan")
-        return self.scheduler.update(plan, output)
+        with self.executor.lock:
+            with self.runner.meter.measure():
+                while self.executor.can_submit():  # transport rule 3: send what is owed first
+                    plan = self.scheduler.schedule()
+                    if plan.is_empty():
+                        break
+                    self.executor.submit(plan)
+                    self._inflight.append(plan)
+            if not self._inflight:
+                return []
+            output = self.executor.collect()
+            with self.runner.meter.measure():
+                plan = self._inflight.popleft()
+                diverged = [(r.rank, r.digest) for r in output.reports if r.digest != plan.digest]
+                if diverged:
+                    raise GroupStopped(
+                        f"step {plan.step_id}: stages executed a different plan: "
+                        f"digest {plan.digest:#x}, stages reported {diverged}"
+                    )
+                self.stage_reports = list(output.reports)
+                return self.scheduler.update(plan, output)
+
+    def shutdown(self) -> None:
+        """Stop the executors (the stage processes exit cleanly); idempotent."""
+        self.executor.close()
 
     @property
     def num_free_blocks(self) -> int:

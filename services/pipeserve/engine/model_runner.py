@@ -10,11 +10,21 @@ that is a group stop, never a local repair.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from pipeserve.engine.plan import SampledToken, SamplingSpec, StepOutput, StepPlan, plan_digest
+from pipeserve.engine.plan import (
+    SampledToken,
+    SamplingSpec,
+    StageReport,
+    StepOutput,
+    StepPlan,
+    plan_digest,
+)
 from pipeserve.engine.sampler import Sampler
 from pipeserve.model.layers import AttentionBatch, DecodeGroup, PrefillSpan
 from pipeserve.model.stage_model import StageModel
@@ -44,15 +54,51 @@ class PreparedStep:
     sample_indices: list[int]
 
 
+class BusyMeter:
+    """Seconds a stage spends working, against seconds since its first work.
+
+    Nested measure() blocks count once (stage 0 measures scheduling around
+    the runner's own measurement).
+    """
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.started: float | None = None
+        self._depth = 0
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        if self.started is None:
+            self.started = t0
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.busy_s += time.perf_counter() - t0
+
+    @property
+    def wall_s(self) -> float:
+        return 0.0 if self.started is None else time.perf_counter() - self.started
+
+
 class ModelRunner:
-    def __init__(self, model: StageModel, kv_pool: torch.Tensor, block_size: int, seed: int) -> None:
+    def __init__(
+        self, model: StageModel, kv_pool: torch.Tensor, block_size: int, seed: int, rank: int = 0
+    ) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.num_blocks = kv_pool.shape[2]
         self.device = kv_pool.device
+        self.rank = rank
         self.sampler = Sampler(self.device, seed)
         self.reqs: dict[str, _ReqState] = {}
+        # block id -> number of request tables holding it (prefix hits share blocks)
+        self.block_refs: dict[int, int] = {}
+        self.meter = BusyMeter()
         self._workspace: torch.Tensor | None = None
 
     # --- plan -> state ------------------------------------------------------
@@ -62,8 +108,14 @@ class ModelRunner:
         if digest != plan.digest:
             raise PlanMismatch(f"step {plan.step_id}: digest {digest:#x} != plan's {plan.digest:#x}")
         for rid in plan.freed:
-            if self.reqs.pop(rid, None) is None:
+            gone = self.reqs.pop(rid, None)
+            if gone is None:
                 raise PlanMismatch(f"step {plan.step_id}: freed unknown request {rid!r}")
+            for b in gone.block_ids:
+                if self.block_refs[b] == 1:
+                    del self.block_refs[b]
+                else:
+                    self.block_refs[b] -= 1
         for new in plan.new_requests:
             if new.req_id in self.reqs:
                 raise PlanMismatch(f"step {plan.step_id}: new request {new.req_id!r} already known")
@@ -83,6 +135,8 @@ class ModelRunner:
                     f"stage holds {st.num_tokens} tokens"
                 )
             st.block_ids += c.new_block_ids
+            for b in c.new_block_ids:
+                self.block_refs[b] = self.block_refs.get(b, 0) + 1
             st.num_tokens = c.start_pos + len(c.token_ids)
             if len(st.block_ids) * self.block_size < st.num_tokens:
                 raise PlanMismatch(
@@ -198,11 +252,33 @@ class ModelRunner:
         specs = [self.reqs[r].sampling for r in step.sample_req_ids]
         return self.sampler(logits, step.sample_req_ids, specs, step.sample_indices)
 
+    def run(
+        self, plan: StepPlan, inputs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, list[SampledToken], StageReport]:
+        """Execute this stage's part of a plan.
+
+        Returns (hidden states [T, hidden] for the next stage, or None on the
+        last stage; the sampled tokens, last stage only; this stage's report).
+        inputs: activations from the previous stage; None on the first.
+        """
+        with self.meter.measure():
+            digest = self.apply(plan)
+            hidden = None
+            sampled: list[SampledToken] = []
+            if plan.chunks:
+                step = self.prepare(plan)
+                hidden = self.forward(step, inputs)
+                if self.model.stage.is_last:
+                    sampled = self.sample(step, hidden)
+                    hidden = None
+        return hidden, sampled, self.report(digest)
+
+    def report(self, digest: int) -> StageReport:
+        return StageReport(
+            self.rank, digest, len(self.reqs), len(self.block_refs), self.meter.busy_s, self.meter.wall_s
+        )
+
     def execute(self, plan: StepPlan) -> StepOutput:
         """Single-stage execution: the whole model, then sampling."""
-        digest = self.apply(plan)
-        sampled: list[SampledToken] = []
-        if plan.chunks:
-            step = self.prepare(plan)
-            sampled = self.sample(step, self.forward(step))
-        return StepOutput(plan.step_id, sampled, [digest])
+        _, sampled, report = self.run(plan)
+        return StepOutput(plan.step_id, sampled, [report])

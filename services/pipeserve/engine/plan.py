@@ -69,10 +69,21 @@ class SampledToken(msgspec.Struct, array_like=True, frozen=True):
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class StageReport(msgspec.Struct, array_like=True, frozen=True):
+    """What one stage says about a step it executed; travels along the ring to stage 0."""
+
+    rank: int
+    digest: int  # of the plan this stage executed
+    num_reqs: int  # requests in its tables after the step
+    blocks_held: int  # distinct KV blocks those tables reference
+    busy_s: float  # cumulative seconds spent executing plans
+    wall_s: float  # seconds since the stage executed its first plan
+
+
 class StepOutput(msgspec.Struct, frozen=True):
     step_id: int
     sampled: list[SampledToken]
-    digests: list[int]  # the digest each stage computed for the plan it executed
+    reports: list[StageReport]  # one per stage, in rank order
 
 
 _encoder = msgspec.msgpack.Encoder()

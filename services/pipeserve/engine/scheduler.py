@@ -34,7 +34,16 @@ from pipeserve.engine.request import FinishReason, Request, RequestStatus
 
 def sampling_spec(req: Request) -> SamplingSpec:
     p = req.params
-    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.logprobs)
+    # Exact field types: the digest covers the encoding, and followers re-encode what
+    # they decoded (an int 0 for a float field would hash differently on the next stage).
+    return SamplingSpec(
+        float(p.temperature),
+        int(p.top_k),
+        float(p.top_p),
+        float(p.min_p),
+        None if p.seed is None else int(p.seed),
+        None if p.logprobs is None else int(p.logprobs),
+    )
 
 
 class Scheduler:
@@ -128,8 +137,10 @@ class Scheduler:
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n
 
+        plan = StepPlan(self._step_id + 1, self._freed, new_reqs, chunks)
+        if plan.is_empty():
+            return plan  # not sent: step ids stay consecutive over the plans executors see
         self._step_id += 1
-        plan = StepPlan(self._step_id, self._freed, new_reqs, chunks)
         self._freed = []
         for c in chunks:
             self.in_flight.add(c.req_id)

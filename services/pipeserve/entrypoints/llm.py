@@ -7,22 +7,30 @@
 A prompt is a string (tokenized with the checkpoint's tokenizer.json) or a
 list of token ids. Stop strings are matched on the detokenized output here,
 and the matched string and what follows are trimmed from the text.
+
+With stages=S > 1 this process is stage 0 (scheduler, embedding, first
+layers) and S-1 stage processes are started for the rest of the model; they
+exit on `shutdown()`, on leaving a `with LLM(...)` block, when the LLM is
+garbage-collected or the interpreter exits, when this process dies, and when
+the group stops on an error (then generate() raises GroupStopped).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from tokenizers import Tokenizer
 
 from pipeserve.config import EngineConfig
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
-from pipeserve.errors import InvalidRequestError
+from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.outputs import CompletionOutput, RequestOutput
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.stage.launcher import LocalGroup, local_group_config
 
 Prompt = str | list[int]
 
@@ -32,9 +40,32 @@ class LLM:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, stages=stages, **engine_args))
+        config = EngineConfig(model=model, stages=stages, **engine_args)
+        self.group: LocalGroup | None = None
+        if stages == 1:
+            self.engine = LLMEngine(config)
+        else:
+            config = local_group_config(config)
+            self.group = LocalGroup(config)
+            self.group.start()
+            try:
+                self.engine = LLMEngine(config, self.group.rendezvous(0))
+            except BaseException:
+                self.group.stop(grace_s=2.0)
+                raise
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group)
         tok_path = Path(model) / "tokenizer.json"
         self.tokenizer: Tokenizer | None = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+
+    def shutdown(self) -> None:
+        """Stop the stage processes (no-op with one stage); idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -78,11 +109,15 @@ class LLM:
             self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)
         ]
         texts: dict[str, str] = {}
-        while self.engine.has_unfinished():
-            self.engine.step()
-            for req in reqs:
-                if req.params.stop and not req.is_finished and req.output_token_ids:
-                    self._check_stop_strings(req, texts)
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+                for req in reqs:
+                    if req.params.stop and not req.is_finished and req.output_token_ids:
+                        self._check_stop_strings(req, texts)
+        except GroupStopped:
+            self.shutdown()  # the other stages are exiting; reap them
+            raise
         results = []
         for prompt, req in zip(prompt_list, reqs, strict=True):
             text = texts.get(req.req_id)
@@ -114,6 +149,14 @@ class LLM:
         if trimmed is not None:
             texts[req.req_id] = trimmed
             self.engine.finish(req.req_id, FinishReason.STOP)
+
+
+def _shutdown(engine: LLMEngine, group: LocalGroup | None) -> None:
+    try:
+        engine.shutdown()
+    finally:
+        if group is not None:
+            group.stop()
 
 
 def _trim_stop(text: str, stops: list[str]) -> str | None:

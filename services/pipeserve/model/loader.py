@@ -10,10 +10,12 @@ naming the missing tensor.
 from __future__ import annotations
 
 import json
+import struct
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from pipeserve.errors import ModelLoadError
@@ -48,6 +50,25 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     raise ModelLoadError(
         f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
     )
+
+
+def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
+    """xxh3 of config.json, every weight file's safetensors header and size, and the dtype.
+
+    Headers name every tensor with its dtype, shape and byte offsets, so two
+    checkpoints with the same fingerprint have the same layout; reading the
+    headers costs nothing even for sharded multi-GB checkpoints.
+    """
+    path = Path(model_dir)
+    h = xxhash.xxh3_64()
+    h.update((path / "config.json").read_bytes())
+    for fpath in sorted(set(_weight_files(path).values())):
+        with open(fpath, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(f.read(n))
+        h.update(str(fpath.stat().st_size).encode())
+    h.update(str(dtype).encode())
+    return h.hexdigest()
 
 
 def _stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:

@@ -1,0 +1,48 @@
+"""Executor: how stage 0's engine gets plans executed.
+
+Contract (both implementations):
+  can_submit()   True while fewer than `max_inflight` plans await results
+  submit(plan)   run stage 0's part of the plan and pass it on; never waits
+                 for a result (ordering rule 3: send what is owed first)
+  collect()      the StepOutput of the oldest submitted plan, in submit order;
+                 blocks only here, within a deadline; raises GroupStopped
+  lock           held by the engine around one step, so a background
+                 heartbeat never interleaves with a step
+  close()        stop the executors (clean shutdown); idempotent
+
+LocalExecutor runs the whole model in-process (one stage, one plan at a
+time); stage/leader.py's PipelineExecutor drives a ring of stage processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from pipeserve.engine.model_runner import ModelRunner
+from pipeserve.engine.plan import StepOutput, StepPlan
+
+
+class LocalExecutor:
+    max_inflight = 1
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.lock = threading.RLock()
+        self._done: deque[StepOutput] = deque()
+
+    def can_submit(self) -> bool:
+        return not self._done
+
+    def submit(self, plan: StepPlan) -> None:
+        self._done.append(self.runner.execute(plan))
+
+    def collect(self) -> StepOutput:
+        return self._done.popleft()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._done)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,76 @@
+"""Fault injection for tests: break one rule on purpose and watch the group react.
+
+Read once per stage from PIPESERVE_FAULTS (JSON for the Faults struct below);
+unset means no faults. Each fault names the rule it breaks so a test can show
+the check it pins going red:
+
+  corrupt            plans with tokens that stage `corrupt_rank` sends from step
+                     `corrupt_step` on are altered: "digest" (a token changed, digest kept),
+                     "block_range" (a block id past the pool, resealed),
+                     "unknown_request" (a chunk for an id nobody knows, resealed),
+                     "rows" (one activation row dropped)
+  blocking_io        the naive transport: a stage receives only when its loop
+                     asks and waits for each send to complete before going on
+                     (breaks rules 1 and 2 of transport.py)
+  return_first       stage 0 waits on the return link before sending the plan it
+                     owes (breaks rule 3)
+  no_deadline        waits use an hour instead of ring_timeout_s (breaks rule 4)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+import torch
+
+from pipeserve.engine.plan import StepPlan, seal
+from pipeserve.errors import ConfigError
+
+ENV = "PIPESERVE_FAULTS"
+Corruption = Literal["digest", "block_range", "unknown_request", "rows"]
+
+
+class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    corrupt: Corruption | None = None
+    corrupt_rank: int = 0
+    corrupt_step: int = 3
+    blocking_io: bool = False
+    return_first: bool = False
+    no_deadline: bool = False
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        text = os.environ.get(ENV)
+        if not text:
+            return cls()
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{ENV}: {e}") from None
+
+    def corrupts(self, rank: int, plan: StepPlan) -> bool:
+        return (
+            self.corrupt is not None
+            and rank == self.corrupt_rank
+            and plan.step_id >= self.corrupt_step
+            and bool(plan.chunks)
+        )
+
+    def corrupt_plan(self, plan: StepPlan, num_blocks: int) -> StepPlan:
+        """The plan as the corrupting stage sends it (activations: see corrupt_rows)."""
+        if not plan.chunks or self.corrupt == "rows":
+            return plan
+        first = plan.chunks[0]
+        if self.corrupt == "digest":
+            changed = msgspec.structs.replace(first, token_ids=[t + 1 for t in first.token_ids])
+            return msgspec.structs.replace(plan, chunks=[changed, *plan.chunks[1:]])
+        if self.corrupt == "block_range":
+            changed = msgspec.structs.replace(first, new_block_ids=[*first.new_block_ids, num_blocks + 7])
+        else:
+            changed = msgspec.structs.replace(first, req_id=first.req_id + "-corrupt")
+        return seal(msgspec.structs.replace(plan, chunks=[changed, *plan.chunks[1:]]))
+
+    def corrupt_rows(self, acts: torch.Tensor) -> torch.Tensor:
+        return acts[:-1] if self.corrupt == "rows" else acts

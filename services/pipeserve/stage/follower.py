@@ -1,0 +1,106 @@
+"""Follower: the loop of stage k > 0. It executes plans or stops the group; it decides nothing.
+
+For each frame from stage k-1, in arrival order:
+  Hello      forward it (with a one-row activation: warms the data link)
+  Heartbeat  forward it
+  Forward    check the step id increases, run this stage's layers on the
+             activations (the runner validates the plan: digest, request ids,
+             block ids, positions, row count), append this stage's report;
+             pass Forward + activations on, or — on the last stage — sample
+             and send Result(step output with every stage's report) to stage 0
+  Stop       pass it on and exit: 0 for a clean shutdown, 3 for a group stop
+
+Any mismatch or link failure is a group stop: one log line naming it, a
+Stop(error) sent on to the next stage, exit status 3. Nothing is repaired
+locally (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pipeserve.engine.model_runner import PlanMismatch
+from pipeserve.engine.plan import StepOutput
+from pipeserve.errors import EXIT_GROUP_STOP, GroupStopped
+from pipeserve.stage.leader import warm_activation
+from pipeserve.stage.messages import Forward, Heartbeat, Hello, Result, Stop
+from pipeserve.stage.transport import RingLink
+from pipeserve.stage.worker import Stage
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    def __init__(self, stage: Stage) -> None:
+        if stage.link is None or stage.spec.rank == 0:
+            raise ValueError("a follower is a stage k > 0 of a ring")
+        self.stage = stage
+        self.rank = stage.spec.rank
+        self.link: RingLink = stage.link
+        self.runner = stage.runner
+        self.faults = stage.faults
+        self.is_last = stage.spec.is_last
+        self.last_step = 0
+
+    def run(self) -> int:
+        """Serve frames until a Stop; returns the process exit status."""
+        self.link.start()
+        try:
+            while True:
+                frame, acts = self.link.recv()
+                if isinstance(frame, Forward):
+                    self._step(frame, acts)
+                elif isinstance(frame, Hello):
+                    self.link.send(Hello([*frame.visited, self.rank]), warm_activation(self.stage))
+                    log.info("stage %d: ring link warm, serving", self.rank)
+                elif isinstance(frame, Heartbeat):
+                    self.link.send(frame)
+                elif isinstance(frame, Stop):
+                    return self._stop(frame)
+                else:
+                    raise PlanMismatch(f"stage {self.rank}: unexpected {type(frame).__name__} frame")
+        except GroupStopped as e:
+            return self._group_stop(str(e))
+        except PlanMismatch as e:
+            return self._group_stop(f"stage {self.rank}: {e}")
+
+    def _step(self, fwd: Forward, acts) -> None:
+        plan = fwd.plan
+        if plan.step_id <= self.last_step:
+            raise PlanMismatch(f"stage {self.rank}: step {plan.step_id} arrived after step {self.last_step}")
+        self.last_step = plan.step_id
+        if plan.chunks and acts is None:
+            raise PlanMismatch(f"stage {self.rank}: step {plan.step_id} has tokens but no activations")
+        hidden, sampled, report = self.runner.run(plan, acts)
+        reports = [*fwd.reports, report]
+        if self.is_last:
+            self.link.send(Result(StepOutput(plan.step_id, sampled, reports)))
+            return
+        sent = plan
+        if self.faults.corrupts(self.rank, plan):
+            sent = self.faults.corrupt_plan(plan, self.runner.num_blocks)
+            hidden = None if hidden is None else self.faults.corrupt_rows(hidden)
+        self.link.send(Forward(sent, reports), hidden)
+
+    def _stop(self, stop: Stop) -> int:
+        try:  # the last stage passes it back to stage 0, which waits for it on shutdown
+            self.link.send(stop)
+            self.link.flush()
+        except GroupStopped as e:  # expected in a group stop: the next stage may be gone already
+            (log.info if stop.error else log.warning)(
+                "stage %d: could not pass the stop on: %s", self.rank, e
+            )
+        if stop.error:
+            log.error("stage %d: GROUP STOP from stage %d: %s", self.rank, stop.origin, stop.reason)
+            return EXIT_GROUP_STOP
+        log.info("stage %d: shutdown", self.rank)
+        return 0
+
+    def _group_stop(self, reason: str) -> int:
+        log.error("GROUP STOP: %s", reason)
+        try:
+            self.link.send(Stop(self.rank, reason, True))
+            self.link.flush()
+        except GroupStopped:
+            pass  # the next stage is gone or stuck; its own deadline stops it
+        return EXIT_GROUP_STOP

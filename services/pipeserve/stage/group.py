@@ -1,0 +1,140 @@
+"""Forming a pipeline group: rendezvous, process groups, and the congruence check.
+
+Rendezvous is either TCP (MASTER_ADDR:MASTER_PORT, stage 0 hosts the store —
+what a Kubernetes group uses) or a file (the local launcher: no listening
+store, and gloo bound to 127.0.0.1). Every stage loads its weights and sizes
+its KV pool before joining, so the congruence exchange compares what each
+stage actually holds:
+
+  model fingerprint, layer split, block size, max_model_len, dtype  must be equal
+  KV blocks                                                         group minimum
+
+A difference stops the group at start-up with a line naming both values; all
+stages see all identities, so all of them stop with the same line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from pipeserve.errors import ConfigError, GroupStopped
+
+log = logging.getLogger(__name__)
+
+IDENTITY_BYTES = 2048
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    rank: int
+    world_size: int
+    master_addr: str | None = None
+    master_port: int | None = None
+    file: str | None = None  # a FileStore path instead of TCP
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank: must be in [0, {self.world_size}) (got {self.rank})")
+        tcp = self.master_addr is not None and self.master_port is not None
+        if tcp == (self.file is not None):
+            raise ConfigError("rendezvous: give either master_addr and master_port, or a rendezvous file")
+
+
+def join(rdzv: Rendezvous, device: torch.device, timeout_s: float) -> tuple[dist.ProcessGroup, ...]:
+    """Connect to every other stage; returns (metadata group, activation group)."""
+    timeout = timedelta(seconds=timeout_s)
+    if rdzv.file is not None:
+        store: dist.Store = dist.FileStore(rdzv.file, rdzv.world_size)
+        store.set_timeout(timeout)
+        gloo_host = "127.0.0.1"
+    else:
+        store = dist.TCPStore(
+            rdzv.master_addr,
+            rdzv.master_port,
+            rdzv.world_size,
+            rdzv.rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        gloo_host = None
+    store.set(f"joined/{rdzv.rank}", "1")
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [
+        dist.ProcessGroupGloo.create_device(hostname=gloo_host)
+        if gloo_host
+        else dist.ProcessGroupGloo.create_default_device()
+    ]
+    try:
+        meta = dist.ProcessGroupGloo(dist.PrefixStore("meta", store), rdzv.rank, rdzv.world_size, opts)
+    except RuntimeError as e:
+        missing = [r for r in range(rdzv.world_size) if not store.check([f"joined/{r}"])]
+        raise GroupStopped(
+            f"stage {rdzv.rank}: group did not form within {timeout_s:g}s "
+            f"(stages not joined: {missing or 'none'}): {str(e).splitlines()[0][:200]}"
+        ) from None
+    if device.type != "cuda":
+        return meta, meta
+    nccl_opts = dist.ProcessGroupNCCL.Options()
+    nccl_opts._timeout = timeout
+    data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rdzv.rank, rdzv.world_size, nccl_opts)
+    return meta, data
+
+
+class StageIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    rank: int
+    fingerprint: str
+    layer_split: str
+    block_size: int
+    max_model_len: int
+    dtype: str
+    kv_blocks: int
+
+
+_MUST_MATCH = (
+    ("fingerprint", "model fingerprint"),
+    ("layer_split", "layer split"),
+    ("block_size", "block size"),
+    ("max_model_len", "max_model_len"),
+    ("dtype", "dtype"),
+)
+
+
+def agree(pg: dist.ProcessGroup, mine: StageIdentity, world_size: int, timeout_s: float) -> int:
+    """Exchange identities with every stage; returns the group's KV block count."""
+    data = msgspec.json.encode(mine)
+    if len(data) > IDENTITY_BYTES:
+        raise ConfigError(f"stage identity too long ({len(data)} bytes)")
+    buf = torch.zeros(IDENTITY_BYTES, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(world_size)]
+    try:
+        pg.allgather([out], [buf]).wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise GroupStopped(
+            f"stage {mine.rank}: congruence exchange failed: {str(e).splitlines()[0][:200]}"
+        ) from None
+    ids = [msgspec.json.decode(t.numpy().tobytes().rstrip(b"\0"), type=StageIdentity) for t in out]
+    for field, label in _MUST_MATCH:
+        for other in ids:
+            if getattr(other, field) != getattr(ids[0], field):
+                raise GroupStopped(
+                    f"congruence: {label} differs: stage {ids[0].rank} has {getattr(ids[0], field)!r}, "
+                    f"stage {other.rank} has {getattr(other, field)!r}"
+                )
+    blocks = min(i.kv_blocks for i in ids)
+    if mine.rank == 0:
+        log.info(
+            "group agreed: %d stages, split %s, %d KV blocks (proposed %s)",
+            world_size,
+            mine.layer_split,
+            blocks,
+            [i.kv_blocks for i in ids],
+        )
+    return blocks

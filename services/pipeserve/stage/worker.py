@@ -1,0 +1,119 @@
+"""Building one stage: its model slice, its KV pool, its runner and its ring link.
+
+Order matters for congruence: a stage loads its weights and sizes its pool
+*before* it joins the group, so the identities compared at start-up describe
+what each stage really holds; the pool is then allocated with the group's
+agreed block count, never with a stage's own proposal.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine.kv_cache import allocate_pool, num_kv_blocks
+from pipeserve.engine.model_runner import ModelRunner
+from pipeserve.errors import ConfigError
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.loader import balanced_layer_split, load_stage_model, model_fingerprint
+from pipeserve.model.stage_model import StageSpec
+from pipeserve.stage.faults import Faults
+from pipeserve.stage.group import Rendezvous, StageIdentity, agree, join
+from pipeserve.stage.transport import RingLink
+
+log = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None and cfg.sliding_window < limit:
+        # Attention here is full-context; capping at the window keeps it exact.
+        log.warning("capping max_model_len at sliding_window=%d", cfg.sliding_window)
+        limit = cfg.sliding_window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ConfigError(f"max_model_len: {config.max_model_len} exceeds the model's limit {limit}")
+    return config.max_model_len
+
+
+def layer_split(config: EngineConfig, num_layers: int) -> list[tuple[int, int]]:
+    split = config.split_ranges()
+    if split is None:
+        return balanced_layer_split(num_layers, config.stages)
+    if split[-1][1] != num_layers:
+        raise ConfigError(
+            f"layer_split: {config.layer_split!r} does not cover the model's {num_layers} layers"
+        )
+    return split
+
+
+def stage_device(config: EngineConfig, rank: int) -> torch.device:
+    if config.device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(config.device)
+
+
+@dataclass
+class Stage:
+    """What one stage process holds once its group has formed."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int
+    spec: StageSpec
+    runner: ModelRunner
+    link: RingLink | None  # None when the group has one stage
+    faults: Faults
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+
+def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | None = None) -> Stage:
+    rank = rdzv.rank if rdzv else 0
+    if (rdzv.world_size if rdzv else 1) != config.stages:
+        raise ConfigError(f"stages: {config.stages} but the rendezvous has {rdzv and rdzv.world_size}")
+    faults = faults if faults is not None else Faults.from_env()
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    cfg = ModelConfig.from_dir(config.model, config.dtype)
+    max_len = resolve_max_model_len(config, cfg)
+    split = layer_split(config, cfg.num_layers)
+    spec = StageSpec(rank, config.stages, *split[rank])
+    device = stage_device(config, rank)
+    model = load_stage_model(config.model, cfg, spec, max_len, device)
+    blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
+    link = None
+    if rdzv is not None and config.stages > 1:
+        meta_pg, data_pg = join(rdzv, device, config.connect_timeout_s)
+        identity = StageIdentity(
+            rank,
+            model_fingerprint(config.model, cfg.dtype),
+            ",".join(f"{lo}:{hi}" for lo, hi in split),
+            config.block_size,
+            max_len,
+            str(cfg.dtype).removeprefix("torch."),
+            blocks,
+        )
+        blocks = agree(meta_pg, identity, config.stages, config.connect_timeout_s)
+        link = RingLink(
+            rank, config.stages, meta_pg, data_pg, cfg.dtype, device, config.ring_timeout_s, faults
+        )
+    pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device)
+    runner = ModelRunner(model, pool, config.block_size, config.seed, rank)
+    log.info(
+        "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens",
+        rank,
+        config.stages,
+        spec.layer_lo,
+        spec.layer_hi,
+        cfg.num_layers,
+        blocks,
+        config.block_size,
+    )
+    return Stage(config, cfg, max_len, spec, runner, link, faults)
