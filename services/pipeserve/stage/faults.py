@@ -15,6 +15,8 @@ the check it pins going red:
   return_first       stage 0 waits on the return link before sending the plan it
                      owes (breaks rule 3)
   no_deadline        waits use an hour instead of ring_timeout_s (breaks rule 4)
+  no_heartbeat       an idle stage 0 sends no heartbeats (breaks rule 4's idle clause:
+                     an idle group then stops on its own deadlines)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     blocking_io: bool = False
     return_first: bool = False
     no_deadline: bool = False
+    no_heartbeat: bool = False
 
     @classmethod
     def from_env(cls) -> Faults:

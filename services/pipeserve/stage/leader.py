@@ -68,8 +68,11 @@ class PipelineExecutor:
             if not isinstance(frame, Hello) or frame.visited != want:
                 self._fail(f"ring formation: expected Hello through {want}, got {frame!r}")
         log.info("ring formed: %d stages, max_inflight %d", len(want), self.max_inflight)
-        self._keepalive = threading.Thread(target=self._keepalive_loop, name="ring-keepalive", daemon=True)
-        self._keepalive.start()
+        if not self.faults.no_heartbeat:
+            self._keepalive = threading.Thread(
+                target=self._keepalive_loop, name="ring-keepalive", daemon=True
+            )
+            self._keepalive.start()
 
     # --- executor contract ----------------------------------------------------
     def can_submit(self) -> bool:
