@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 from pipeserve import LLM
 from pipeserve.engine.plan import StepOutput, StepPlan
+from pipeserve.errors import GroupStopped
 
 
 class CongruenceWatch:
@@ -80,6 +82,37 @@ def stage_log(log_dir: Path, rank: int) -> str:
 
 def group_stop_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "GROUP STOP:" in line]
+
+
+def stop_reasons(llm: LLM, err: BaseException | None) -> list[str]:
+    """Stage 0's error and every follower's GROUP STOP line (needs log_dir).
+
+    Stages with similar deadlines detect a silent peer at about the same time;
+    whichever exits first turns the others' waits into broken links, so a
+    test looks for the named cause among all stages' lines.
+    """
+    log_dir = Path(llm.engine.config.log_dir or "")
+    lines = [f"stage 0: {err}"] if err is not None else []
+    for rank in range(1, llm.engine.config.stages):
+        lines += group_stop_lines(stage_log(log_dir, rank))
+    return lines
+
+
+def step_until_stopped(llm: LLM, bound_s: float) -> GroupStopped | None:
+    """Step on a thread; the error it stopped with, or None if it still ran after bound_s."""
+    result: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+        except GroupStopped as e:
+            result.append(e)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    t.join(bound_s)
+    return result[0] if result else None  # type: ignore[return-value]
 
 
 def kill_quietly(pid: int, sig: int) -> None:
