@@ -120,3 +120,19 @@ def kill_quietly(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def stage_processes(parent_pid: int) -> list[int]:
+    """Live stage processes started by `parent_pid` (found by PIPESERVE_PARENT_PID in /proc)."""
+    marker = f"PIPESERVE_PARENT_PID={parent_pid}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in env and pid_alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
