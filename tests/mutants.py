@@ -72,8 +72,8 @@ MUTANTS = [
     (
         "executor tables not freed",
         "services/pipeserve/engine/model_runner.py",
-        "            if self.reqs.pop(rid, None) is None:",
-        "            if self.reqs.get(rid, None) is None:",
+        "            gone = self.reqs.pop(rid, None)",
+        "            gone = self.reqs.get(rid, None)",
         "tests/test_engine_correctness.py -k mixed",
     ),
     (
@@ -89,6 +89,70 @@ MUTANTS = [
         "        if digest != plan.digest:",
         "        if False:",
         "tests/test_plan_congruence.py",
+    ),
+    # --- pipeline groups ---
+    (
+        "follower skips the digest check",
+        "services/pipeserve/engine/model_runner.py",
+        "        if digest != plan.digest:",
+        "        if False:",
+        "tests/test_pipeline_faults.py -k digest",
+    ),
+    (
+        "follower skips the activation row check",
+        "services/pipeserve/engine/model_runner.py",
+        "        if x.shape[0] != step.inputs.shape[0]:",
+        "        if False:",
+        "tests/test_pipeline_faults.py -k rows",
+    ),
+    (
+        "detecting follower exits without passing the stop on",
+        "services/pipeserve/stage/follower.py",
+        "            self.link.send(Stop(self.rank, reason, True))",
+        "            pass",
+        "tests/test_pipeline_faults.py -k corrupted",
+    ),
+    (
+        "stage 0 keeps one plan in the ring",
+        "services/pipeserve/stage/leader.py",
+        "        return len(self._inflight) < self.max_inflight",
+        "        return len(self._inflight) < 1",
+        "tests/test_pipeline_ordering.py -k full_ring",
+    ),
+    (
+        "idle stage 0 sends no heartbeat",
+        "services/pipeserve/stage/leader.py",
+        "                if self.failed or self._closing.is_set() or self._inflight or not idle:",
+        "                if True:",
+        "tests/test_pipeline_ordering.py -k 'idle and not can-fail'",
+    ),
+    (
+        "ring waits have no deadline",
+        "services/pipeserve/stage/transport.py",
+        "        self.timeout_s = NO_DEADLINE_S if faults.no_deadline else timeout_s",
+        "        self.timeout_s = NO_DEADLINE_S",
+        "tests/test_pipeline_faults.py -k stopped",
+    ),
+    (
+        "group takes stage 0's pool size, not the minimum",
+        "services/pipeserve/stage/group.py",
+        "    blocks = min(i.kv_blocks for i in ids)",
+        "    blocks = mine.kv_blocks",
+        "tests/test_pipeline_congruence.py -k smallest",
+    ),
+    (
+        "model fingerprints not compared",
+        "services/pipeserve/stage/group.py",
+        '    ("fingerprint", "model fingerprint"),',
+        "",
+        "tests/test_pipeline_congruence.py -k checkpoints",
+    ),
+    (
+        "LLM exit does not shut the ring down",
+        "services/pipeserve/entrypoints/llm.py",
+        "        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group)",
+        "        self._finalizer = weakref.finalize(self, lambda: None)",
+        "tests/test_pipeline_lifecycle.py -k 'driver and exit'",
     ),
 ]
 only = sys.argv[1:]

@@ -128,7 +128,7 @@ class ModelConfig:
     def inv_freq(self) -> torch.Tensor:
         """Rotary inverse frequencies [head_dim/2], float32, with rope scaling applied."""
         d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
         if self.rope_scaling is None:
             return inv
         s = self.rope_scaling

@@ -74,7 +74,9 @@ class RotaryTable(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
-        t = torch.arange(max_len, dtype=torch.int64).float()
+        # Computed on the CPU even inside a meta-device context (the loader builds the
+        # model on meta): meta math would import torch._dynamo (~70 MiB per stage).
+        t = torch.arange(max_len, dtype=torch.int64, device="cpu").float()
         freqs = t[:, None] * cfg.inv_freq()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(cfg.dtype), persistent=False)

@@ -20,7 +20,6 @@ from safetensors import safe_open
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.layers import RotaryTable
 from pipeserve.model.stage_model import StageModel, StageSpec
 
 
@@ -71,7 +70,7 @@ def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
     return h.hexdigest()
 
 
-def _stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:
+def stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:
     names = []
     if stage.is_first:
         names.append("model.embed_tokens.weight")
@@ -94,7 +93,7 @@ def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec
     """Read exactly the checkpoint tensors `stage` needs, in cfg.dtype."""
     path = Path(model_dir)
     files = _weight_files(path)
-    wanted = _stage_tensor_names(cfg, stage)
+    wanted = stage_tensor_names(cfg, stage)
     missing = [n for n in wanted if n not in files]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {', '.join(missing[:5])}")
@@ -157,6 +156,5 @@ def load_stage_model(
                 f"config expects {tuple(own[name].shape)}"
             )
     model.load_state_dict(params, strict=False, assign=True)
-    model.rotary = RotaryTable(cfg, max_len)
     model.requires_grad_(False)
     return model.to(device).eval()

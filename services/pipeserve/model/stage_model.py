@@ -42,7 +42,15 @@ class StageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stage = stage
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if stage.is_first else None
+        # An explicit (uninitialized) weight: the loader fills it, and a meta-device
+        # normal_() init would import torch._dynamo (~70 MiB resident in every stage).
+        self.embed_tokens = (
+            nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+            )
+            if stage.is_first
+            else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(stage.num_layers))
         self.rotary = RotaryTable(cfg, max_len)
         if stage.is_last:

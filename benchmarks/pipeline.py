@@ -1,0 +1,194 @@
+"""Pipeline groups at saturation: output tokens/s, each stage's busy ratio and peak RSS.
+
+For each (model, S) — S = 1 and 2 on the main model, S = 1, 2 and 4 on the
+small demo model — a fresh driver process runs `LLM(model, stages=S)` with
+`num_threads = cores // S` per stage (so the stages together use the machine's
+cores; S = 4 on 2 cores has to oversubscribe), warms up, then generates a
+fixed greedy workload with every request submitted at once (`ignore_eos`, so
+each request produces exactly its output length).
+
+Reported per run:
+* wall time and useful output tokens/s, and S=k throughput relative to S=1;
+* each stage's busy ratio over the timed run (seconds executing plans —
+  stage 0 also scheduling — over wall seconds, from the stage reports that
+  travel with every result);
+* each stage's peak RSS (VmHWM) against 1.25 x (its own weights + its own
+  KV pool) + 300 MB.
+
+    python benchmarks/pipeline.py            # main + small model (~10 min on 2 cores)
+    python benchmarks/pipeline.py --quick    # small model only
+    python benchmarks/pipeline.py --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from offline_throughput import make_workload
+
+MIB = 1 << 20
+RSS_SLACK_BYTES = 300 * 1000 * 1000
+MODELS = {
+    # name: (hidden, layers, heads, kv_heads, requests, prompt_len, output_len, kv_cache_gb per stage)
+    "main": (1024, 12, 16, 4, 64, (32, 256), (64, 128), 0.5),
+    "small": (None, None, None, None, 64, (16, 128), (32, 64), 0.1),
+}
+
+
+def model_dir(name: str) -> Path:
+    from pipeserve.model.demo import DemoSpec, write_demo_model
+
+    home = Path(os.environ.get("PIPESERVE_HOME", Path.home() / ".cache" / "pipeserve"))
+    hidden, layers, heads, kv_heads, *_ = MODELS[name]
+    path = home / f"pipeline-bench-{name}"
+    if not (path / "model.safetensors").is_file():
+        spec = (
+            DemoSpec()
+            if hidden is None
+            else DemoSpec(
+                hidden=hidden,
+                layers=layers,
+                heads=heads,
+                kv_heads=kv_heads,
+                intermediate=int(hidden * 8 / 3 // 16 * 16),
+            )
+        )
+        print(f"# writing {name} model to {path}", file=sys.stderr, flush=True)
+        write_demo_model(path, spec)
+    return path
+
+
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """tensor name -> bytes, from the safetensors header (no weights read)."""
+    with open(path / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+def stage_bounds(engine: Any, path: Path) -> list[dict[str, int]]:
+    """Each stage's own weights and KV pool bytes, and its RSS bound."""
+    from pipeserve.engine.kv_cache import block_bytes
+    from pipeserve.model.loader import stage_tensor_names
+    from pipeserve.model.stage_model import StageSpec
+    from pipeserve.stage.worker import layer_split
+
+    cfg, config = engine.model_config, engine.config
+    sizes = tensor_bytes(path)
+    out = []
+    for rank, (lo, hi) in enumerate(layer_split(config, cfg.num_layers)):
+        spec = StageSpec(rank, config.stages, lo, hi)
+        weights = sum(sizes[n] for n in stage_tensor_names(cfg, spec))
+        pool = block_bytes(cfg, hi - lo, config.block_size) * engine.num_total_blocks
+        out.append(
+            {"weights": weights, "pool": pool, "bound": int(1.25 * (weights + pool)) + RSS_SLACK_BYTES}
+        )
+    return out
+
+
+def vm_hwm(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found")
+
+
+def run_child(name: str, stages: int) -> dict[str, Any]:
+    from pipeserve import LLM, SamplingParams
+
+    path = model_dir(name)
+    *_, n, prompt_len, output_len, kv_gb = MODELS[name]
+    cores = os.cpu_count() or 1
+    config = json.loads((path / "config.json").read_text())
+    work = make_workload(n, prompt_len, output_len, config["vocab_size"], seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.output_lens]
+    with LLM(
+        str(path), stages=stages, num_threads=max(1, cores // stages), kv_cache_gb=kv_gb, max_model_len=512
+    ) as llm:
+        llm.generate(work.prompts[:4], params[:4])  # warm-up, not timed
+        before = list(llm.engine.stage_reports)
+        t0 = time.perf_counter()
+        outs = llm.generate(work.prompts, params)
+        wall = time.perf_counter() - t0
+        after = list(llm.engine.stage_reports)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == work.useful_tokens
+        busy = [(a.busy_s - b.busy_s) / (a.wall_s - b.wall_s) for a, b in zip(after, before, strict=True)]
+        bounds = stage_bounds(llm.engine, path)
+        pids = ["self"] + ([llm.group.pids[r] for r in range(1, stages)] if llm.group else [])
+        rss = [vm_hwm(p) for p in pids]
+    return {
+        "model": name,
+        "stages": stages,
+        "threads_per_stage": max(1, cores // stages),
+        "requests": n,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tok_per_s": tokens / wall,
+        "busy": busy,
+        "peak_rss": rss,
+        "bounds": bounds,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the small model only")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "STAGES"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(args.child[0], int(args.child[1]))))
+        return
+    runs = ([] if args.quick else [("main", 1), ("main", 2)]) + [("small", 1), ("small", 2), ("small", 4)]
+    results = []
+    for name, stages in runs:
+        model_dir(name)  # written once, outside the timed children
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", name, str(stages)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if out.returncode:
+            sys.exit(f"{name} S={stages} failed:\n{out.stderr[-3000:]}")
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        report(results[-1], results)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in results])
+        )
+
+
+def report(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    base = next(x for x in results if x["model"] == r["model"] and x["stages"] == 1)
+    same = r["tokens"] == base["tokens"]
+    print(
+        f"{r['model']:5s} S={r['stages']} threads/stage={r['threads_per_stage']}: "
+        f"{r['wall_s']:7.1f} s  {r['tok_per_s']:7.1f} tok/s  "
+        f"x{r['tok_per_s'] / base['tok_per_s']:.2f} of S=1  outputs {'==' if same else '!='} S=1",
+        flush=True,
+    )
+    for rank, (busy, rss, b) in enumerate(zip(r["busy"], r["peak_rss"], r["bounds"], strict=True)):
+        print(
+            f"    stage {rank}: busy {100 * busy:5.1f} %  peak RSS {rss / MIB:7.1f} MiB  "
+            f"bound {b['bound'] / MIB:7.1f} MiB ({100 * rss / b['bound']:.0f} %; "
+            f"weights {b['weights'] / MIB:.1f} + KV {b['pool'] / MIB:.1f} MiB)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
