@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench mutants clean
+.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -35,6 +35,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py
+
+bench-pipeline: $(STAMP)
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -3,19 +3,22 @@
 For each (model, S) — S = 1 and 2 on the main model, S = 1, 2 and 4 on the
 small demo model — a fresh driver process runs `LLM(model, stages=S)` with
 `num_threads = cores // S` per stage (so the stages together use the machine's
-cores; S = 4 on 2 cores has to oversubscribe), warms up, then generates a
-fixed greedy workload with every request submitted at once (`ignore_eos`, so
-each request produces exactly its output length).
+cores; S = 4 on 2 cores has to oversubscribe) and drives its engine in a
+closed loop: `concurrency` requests are in the system at all times (a new one
+arrives when one finishes) until `requests` have arrived; greedy, `ignore_eos`,
+so each request produces exactly its output length.
 
 Reported per run:
-* wall time and useful output tokens/s, and S=k throughput relative to S=1;
-* each stage's busy ratio over the timed run (seconds executing plans —
-  stage 0 also scheduling — over wall seconds, from the stage reports that
-  travel with every result);
-* each stage's peak RSS (VmHWM) against 1.25 x (its own weights + its own
-  KV pool) + 300 MB.
+* whole-run wall time and useful output tokens/s; S=k relative to S=1;
+* at saturation — the window from the `concurrency/2`-th completion until the
+  last request arrives, while `concurrency` requests are in the system — the
+  output tokens/s and each stage's busy ratio (seconds executing plans; stage 0
+  also scheduling — over wall seconds, from the stage reports that travel
+  with every result);
+* each stage's peak RSS (VmHWM) against 1.25 x (its own weights + its own KV
+  pool) + 300 MB.
 
-    python benchmarks/pipeline.py            # main + small model (~10 min on 2 cores)
+    python benchmarks/pipeline.py            # main + small model (~15 min on 2 cores)
     python benchmarks/pipeline.py --quick    # small model only
     python benchmarks/pipeline.py --json results.json
 """
@@ -37,9 +40,10 @@ from offline_throughput import make_workload
 MIB = 1 << 20
 RSS_SLACK_BYTES = 300 * 1000 * 1000
 MODELS = {
-    # name: (hidden, layers, heads, kv_heads, requests, prompt_len, output_len, kv_cache_gb per stage)
-    "main": (1024, 12, 16, 4, 64, (32, 256), (64, 128), 0.5),
-    "small": (None, None, None, None, 64, (16, 128), (32, 64), 0.1),
+    # name: (hidden, layers, heads, kv_heads, requests, concurrency, prompt_len, output_len,
+    #        kv_cache_gb per stage)
+    "main": (1024, 12, 16, 4, 144, 48, (32, 256), (64, 128), 0.5),
+    "small": (None, None, None, None, 144, 48, (16, 128), (32, 64), 0.1),
 }
 
 
@@ -106,7 +110,7 @@ def run_child(name: str, stages: int) -> dict[str, Any]:
     from pipeserve import LLM, SamplingParams
 
     path = model_dir(name)
-    *_, n, prompt_len, output_len, kv_gb = MODELS[name]
+    *_, n, concurrency, prompt_len, output_len, kv_gb = MODELS[name]
     cores = os.cpu_count() or 1
     config = json.loads((path / "config.json").read_text())
     work = make_workload(n, prompt_len, output_len, config["vocab_size"], seed=7)
@@ -115,15 +119,34 @@ def run_child(name: str, stages: int) -> dict[str, Any]:
         str(path), stages=stages, num_threads=max(1, cores // stages), kv_cache_gb=kv_gb, max_model_len=512
     ) as llm:
         llm.generate(work.prompts[:4], params[:4])  # warm-up, not timed
-        before = list(llm.engine.stage_reports)
+        eng = llm.engine
+        reqs = [eng.add_request(work.prompts[i], params[i]) for i in range(concurrency)]
+        done = 0
+        window: dict[str, Any] = {}
+
+        def mark(key: str) -> None:
+            window[key] = (
+                time.perf_counter(),
+                list(eng.stage_reports),
+                sum(len(r.output_token_ids) for r in reqs),
+            )
+
         t0 = time.perf_counter()
-        outs = llm.generate(work.prompts, params)
+        while eng.has_unfinished():
+            for _ in eng.step():
+                done += 1
+                if len(reqs) < n:
+                    reqs.append(eng.add_request(work.prompts[len(reqs)], params[len(reqs)]))
+                    if len(reqs) == n:
+                        mark("end")
+                if done == concurrency // 2:
+                    mark("start")
         wall = time.perf_counter() - t0
-        after = list(llm.engine.stage_reports)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        tokens = sum(len(r.output_token_ids) for r in reqs)
         assert tokens == work.useful_tokens
+        (ts, before, tok0), (te, after, tok1) = window["start"], window["end"]
         busy = [(a.busy_s - b.busy_s) / (a.wall_s - b.wall_s) for a, b in zip(after, before, strict=True)]
-        bounds = stage_bounds(llm.engine, path)
+        bounds = stage_bounds(eng, path)
         pids = ["self"] + ([llm.group.pids[r] for r in range(1, stages)] if llm.group else [])
         rss = [vm_hwm(p) for p in pids]
     return {
@@ -131,13 +154,16 @@ def run_child(name: str, stages: int) -> dict[str, Any]:
         "stages": stages,
         "threads_per_stage": max(1, cores // stages),
         "requests": n,
+        "concurrency": concurrency,
         "output_tokens": tokens,
         "wall_s": wall,
         "tok_per_s": tokens / wall,
+        "saturated_s": te - ts,
+        "saturated_tok_per_s": (tok1 - tok0) / (te - ts),
         "busy": busy,
         "peak_rss": rss,
         "bounds": bounds,
-        "tokens": [o.outputs[0].token_ids for o in outs],
+        "tokens": [r.output_token_ids for r in reqs],
     }
 
 
@@ -147,12 +173,15 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="the small model only")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", choices=sorted(MODELS), default=None, help="one model only")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "STAGES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(args.child[0], int(args.child[1]))))
         return
     runs = ([] if args.quick else [("main", 1), ("main", 2)]) + [("small", 1), ("small", 2), ("small", 4)]
+    if args.only:
+        runs = [r for r in runs if r[0] == args.only]
     results = []
     for name, stages in runs:
         model_dir(name)  # written once, outside the timed children
@@ -177,8 +206,11 @@ def report(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
     same = r["tokens"] == base["tokens"]
     print(
         f"{r['model']:5s} S={r['stages']} threads/stage={r['threads_per_stage']}: "
-        f"{r['wall_s']:7.1f} s  {r['tok_per_s']:7.1f} tok/s  "
-        f"x{r['tok_per_s'] / base['tok_per_s']:.2f} of S=1  outputs {'==' if same else '!='} S=1",
+        f"{r['wall_s']:6.1f} s {r['tok_per_s']:7.1f} tok/s "
+        f"(x{r['tok_per_s'] / base['tok_per_s']:.2f} of S=1); "
+        f"saturated {r['saturated_s']:5.1f} s {r['saturated_tok_per_s']:7.1f} tok/s "
+        f"(x{r['saturated_tok_per_s'] / base['saturated_tok_per_s']:.2f}); "
+        f"outputs {'==' if same else '!='} S=1",
         flush=True,
     )
     for rank, (busy, rss, b) in enumerate(zip(r["busy"], r["peak_rss"], r["bounds"], strict=True)):

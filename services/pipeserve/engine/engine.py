@@ -51,6 +51,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             self.model_config.eos_token_ids,
+            self.executor.max_inflight,
         )
         self._ids = itertools.count()
         self._inflight: deque[StepPlan] = deque()

@@ -5,7 +5,9 @@ Two calls, vLLM v1 style:
   update(plan, output) -> list[Request]  apply the results, return requests
                                           that finished in this step
 
-Policy per step, under a token budget (`max_num_batched_tokens`):
+Policy per step, under a token budget (`max_num_batched_tokens`; with
+several microbatches in a pipeline's ring, an equal share of the work in
+sight, see `_plan_budget`):
 1. running requests, oldest first: the rest of their prompt (chunked to the
    budget) or one decode token. If the pool is short, the newest running
    request is preempted (blocks freed, recomputed later), repeatedly.
@@ -54,8 +56,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        max_inflight: int = 1,
     ) -> None:
         self.bm = block_manager
+        self.max_inflight = max_inflight
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -88,7 +92,7 @@ class Scheduler:
 
     # --- schedule -----------------------------------------------------------
     def schedule(self) -> StepPlan:
-        budget = self.max_num_batched_tokens
+        budget = self._plan_budget()
         chunks: list[ScheduledChunk] = []
         new_reqs: list[NewRequest] = []
         preempted = False
@@ -145,6 +149,25 @@ class Scheduler:
         for c in chunks:
             self.in_flight.add(c.req_id)
         return seal(plan)
+
+    def _plan_budget(self) -> int:
+        """Tokens for the next plan: the full budget with one stage; in a pipeline,
+        the work in sight (running requests' next tokens, waiting prompts) split
+        evenly over the microbatches of the ring.
+
+        The ring runs at the pace of its largest microbatch: a plan that takes a
+        whole prompt while the next holds a few decodes leaves every stage idle
+        for the difference. Equal token counts keep the stages busy.
+        """
+        if self.max_inflight == 1:
+            return self.max_num_batched_tokens
+        cap = self.max_num_batched_tokens * self.max_inflight
+        work = sum(max(1, r.num_tokens - r.num_computed) for r in self.running)
+        for req in self.waiting:
+            if work >= cap:
+                break
+            work += req.num_tokens
+        return min(self.max_num_batched_tokens, max(1, -(-work // self.max_inflight)))
 
     def _chunk(self, req: Request, n: int, new_blocks: list[int]) -> ScheduledChunk:
         start = req.num_computed
