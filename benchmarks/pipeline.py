@@ -3,7 +3,8 @@
 For each (model, S) — S = 1 and 2 on the main model, S = 1, 2 and 4 on the
 small demo model — a fresh driver process runs `LLM(model, stages=S)` with
 `num_threads = cores // S` per stage (so the stages together use the machine's
-cores; S = 4 on 2 cores has to oversubscribe) and drives its engine in a
+cores; S = 4 on 2 cores has to oversubscribe) and the same KV token capacity
+(the group's KV budget split over its stages), and drives its engine in a
 closed loop: `concurrency` requests are in the system at all times (a new one
 arrives when one finishes) until `requests` have arrived; greedy, `ignore_eos`,
 so each request produces exactly its output length.
@@ -18,7 +19,7 @@ Reported per run:
 * each stage's peak RSS (VmHWM) against 1.25 x (its own weights + its own KV
   pool) + 300 MB.
 
-    python benchmarks/pipeline.py            # main + small model (~15 min on 2 cores)
+    python benchmarks/pipeline.py            # main + small model (~12 min on 2 cores)
     python benchmarks/pipeline.py --quick    # small model only
     python benchmarks/pipeline.py --json results.json
 """
@@ -41,9 +42,9 @@ MIB = 1 << 20
 RSS_SLACK_BYTES = 300 * 1000 * 1000
 MODELS = {
     # name: (hidden, layers, heads, kv_heads, requests, concurrency, prompt_len, output_len,
-    #        kv_cache_gb per stage)
-    "main": (1024, 12, 16, 4, 144, 48, (32, 256), (64, 128), 0.5),
-    "small": (None, None, None, None, 144, 48, (16, 128), (32, 64), 0.1),
+    #        KV cache GB of the whole group, split evenly over its stages)
+    "main": (1024, 12, 16, 4, 288, 96, (32, 256), (64, 128), 1.0),
+    "small": (None, None, None, None, 288, 96, (16, 128), (32, 64), 0.2),
 }
 
 
@@ -116,7 +117,11 @@ def run_child(name: str, stages: int) -> dict[str, Any]:
     work = make_workload(n, prompt_len, output_len, config["vocab_size"], seed=7)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.output_lens]
     with LLM(
-        str(path), stages=stages, num_threads=max(1, cores // stages), kv_cache_gb=kv_gb, max_model_len=512
+        str(path),
+        stages=stages,
+        num_threads=max(1, cores // stages),
+        kv_cache_gb=kv_gb / stages,  # the same token capacity for every S
+        max_model_len=512,
     ) as llm:
         llm.generate(work.prompts[:4], params[:4])  # warm-up, not timed
         eng = llm.engine

@@ -140,7 +140,8 @@ def _stage(args: argparse.Namespace) -> int:
         else:
             code = Follower(build_stage(config, rdzv)).run()
     except GroupStopped as e:
-        log.error("GROUP STOP: %s", e)
+        if not e.logged:
+            log.error("GROUP STOP: %s", e)
         code = EXIT_GROUP_STOP
     # Skip interpreter teardown: destroying a process group whose receiver thread is
     # blocked in a native wait aborts the process, turning a clean status into SIGABRT.

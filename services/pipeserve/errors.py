@@ -28,7 +28,13 @@ class GroupStopped(RuntimeError):
 
     The message is the one line that names the cause; every stage of the group exits
     non-zero, and stage 0's caller (the LLM driver, the server) gets this exception.
+    `logged` is True once a stage has written its GROUP STOP line for it (one line
+    per stop, not one per frame it unwinds through).
     """
+
+    def __init__(self, reason: str, logged: bool = False) -> None:
+        super().__init__(reason)
+        self.logged = logged
 
 
 EXIT_GROUP_STOP = 3  # exit status of every stage of a stopped group

@@ -19,7 +19,7 @@ from pipeserve.engine.executor import LocalExecutor
 from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import Scheduler
-from pipeserve.errors import ConfigError, GroupStopped, InvalidRequestError
+from pipeserve.errors import ConfigError, InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.group import Rendezvous
 from pipeserve.stage.leader import PipelineExecutor
@@ -116,7 +116,7 @@ class LLMEngine:
                 plan = self._inflight.popleft()
                 diverged = [(r.rank, r.digest) for r in output.reports if r.digest != plan.digest]
                 if diverged:
-                    raise GroupStopped(
+                    self.executor.stop_group(
                         f"step {plan.step_id}: stages executed a different plan: "
                         f"digest {plan.digest:#x}, stages reported {diverged}"
                     )

@@ -8,6 +8,7 @@ Contract (both implementations):
                  blocks only here, within a deadline; raises GroupStopped
   lock           held by the engine around one step, so a background
                  heartbeat never interleaves with a step
+  stop_group(r)  stage 0 found a divergence: stop every executor, raise GroupStopped
   close()        stop the executors (clean shutdown); idempotent
 
 LocalExecutor runs the whole model in-process (one stage, one plan at a
@@ -21,6 +22,7 @@ from collections import deque
 
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StepOutput, StepPlan
+from pipeserve.errors import GroupStopped
 
 
 class LocalExecutor:
@@ -43,6 +45,9 @@ class LocalExecutor:
     @property
     def num_inflight(self) -> int:
         return len(self._done)
+
+    def stop_group(self, reason: str) -> None:
+        raise GroupStopped(reason)
 
     def close(self) -> None:
         pass

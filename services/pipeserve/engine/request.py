@@ -1,8 +1,12 @@
 """Request: the one object that tracks a generation on stage 0.
 
 Token layout: all_token_ids = prompt + output. `num_computed` tokens have KV in
-`block_ids` (prefix-cache hits included); the scheduler's next chunk starts
-there. After preemption the request goes back to WAITING with no blocks and
+`block_ids` (prefix-cache hits included); `num_scheduled` >= num_computed
+tokens are in plans (computed or in flight), and the scheduler's next chunk
+starts there. Prompt chunks can be in flight together in a pipeline (each
+stage runs plans in order, so chunk k's KV is written before chunk k+1 reads
+it); a chunk that samples is the last one in flight until its token returns.
+After preemption the request goes back to WAITING with no blocks and
 recomputes prompt + output so far (the output is kept).
 """
 
@@ -38,6 +42,8 @@ class Request:
     finish_reason: FinishReason | None = None
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_scheduled: int = 0
+    num_inflight: int = 0  # unfinished plans holding a chunk of this request
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the last admission
     num_preemptions: int = 0
     # Executors hold this request in their tables (it was sent as a NewRequest

@@ -14,8 +14,11 @@ sight, see `_plan_budget`):
 2. if nothing was preempted this step, waiting requests in arrival order, while
    the budget, `max_num_seqs` and the pool allow; each starts after its longest
    cached prefix.
-A request is in at most one unfinished plan (`in_flight`), so a pipeline with
-several microbatches in the ring never schedules the same request twice.
+In a pipeline several plans are in the ring at once. A request whose token
+is still being computed (its last chunk samples) is not scheduled again until
+the result is back; a request still prefilling may have consecutive prompt
+chunks in several plans (`Request.num_scheduled`), so a long prompt is spread
+over the microbatches instead of making one of them heavy.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.in_flight: set[str] = set()
+        self._inflight_tokens = 0  # tokens of the plans not yet updated
         self._freed: list[str] = []  # executor tables to drop with the next plan
         self._step_id = 0
         self.num_preemptions = 0
@@ -100,10 +103,10 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.req_id in self.in_flight or req.status is not RequestStatus.RUNNING:
-                continue
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self.bm.blocks_needed(req.num_computed + n) - len(req.block_ids)
+            if req.num_scheduled == req.num_tokens or req.status is not RequestStatus.RUNNING:
+                continue  # its next token is being computed
+            n = min(req.num_tokens - req.num_scheduled, budget)
+            need = self.bm.blocks_needed(req.num_scheduled + n) - len(req.block_ids)
             while not self.bm.can_allocate(need):
                 victim = self._preemptable_victim()
                 if victim is None:
@@ -132,7 +135,7 @@ class Scheduler:
             self.bm.record_query(len(tokens), start)
             self.bm.take_cached(hits)
             req.block_ids = hits + self.bm.allocate(need)
-            req.num_computed = start
+            req.num_computed = req.num_scheduled = start
             req.num_cached_prompt_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -146,14 +149,13 @@ class Scheduler:
             return plan  # not sent: step ids stay consecutive over the plans executors see
         self._step_id += 1
         self._freed = []
-        for c in chunks:
-            self.in_flight.add(c.req_id)
+        self._inflight_tokens += plan.num_tokens
         return seal(plan)
 
     def _plan_budget(self) -> int:
         """Tokens for the next plan: the full budget with one stage; in a pipeline,
-        the work in sight (running requests' next tokens, waiting prompts) split
-        evenly over the microbatches of the ring.
+        the work of the current round — plans in the ring, tokens ready to
+        schedule, waiting prompts — split evenly over the ring's microbatches.
 
         The ring runs at the pace of its largest microbatch: a plan that takes a
         whole prompt while the next holds a few decodes leaves every stage idle
@@ -162,7 +164,7 @@ class Scheduler:
         if self.max_inflight == 1:
             return self.max_num_batched_tokens
         cap = self.max_num_batched_tokens * self.max_inflight
-        work = sum(max(1, r.num_tokens - r.num_computed) for r in self.running)
+        work = self._inflight_tokens + sum(r.num_tokens - r.num_scheduled for r in self.running)
         for req in self.waiting:
             if work >= cap:
                 break
@@ -170,7 +172,9 @@ class Scheduler:
         return min(self.max_num_batched_tokens, max(1, -(-work // self.max_inflight)))
 
     def _chunk(self, req: Request, n: int, new_blocks: list[int]) -> ScheduledChunk:
-        start = req.num_computed
+        start = req.num_scheduled
+        req.num_scheduled += n
+        req.num_inflight += 1
         ends_known = start + n == req.num_tokens
         return ScheduledChunk(
             req.req_id,
@@ -182,14 +186,14 @@ class Scheduler:
 
     def _preemptable_victim(self) -> Request | None:
         for req in reversed(self.running):
-            if req.req_id not in self.in_flight:
+            if req.num_inflight == 0:
                 return req
         return None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.release(req)
-        req.num_computed = 0
+        req.num_computed = req.num_scheduled = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -202,11 +206,12 @@ class Scheduler:
             raise RuntimeError(f"output of step {output.step_id} applied to plan {plan.step_id}")
         sampled = {s.req_id: s for s in output.sampled}
         finished: list[Request] = []
+        self._inflight_tokens -= plan.num_tokens
         for chunk in plan.chunks:
-            self.in_flight.discard(chunk.req_id)
             req = self.requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+                continue  # aborted while the step ran
+            req.num_inflight -= 1
             req.num_computed += len(chunk.token_ids)
             self.bm.commit_full_blocks(req)
             if chunk.sample_index < 0:

@@ -8,7 +8,8 @@ the check it pins going red:
                      `corrupt_step` on are altered: "digest" (a token changed, digest kept),
                      "block_range" (a block id past the pool, resealed),
                      "unknown_request" (a chunk for an id nobody knows, resealed),
-                     "rows" (one activation row dropped)
+                     "rows" (one activation row dropped), "report_digest"
+                     (the plan is intact but the stage reports another digest)
   blocking_io        the naive transport: a stage receives only when its loop
                      asks and waits for each send to complete before going on
                      (breaks rules 1 and 2 of transport.py)
@@ -27,11 +28,11 @@ from typing import Literal
 import msgspec
 import torch
 
-from pipeserve.engine.plan import StepPlan, seal
+from pipeserve.engine.plan import StageReport, StepPlan, seal
 from pipeserve.errors import ConfigError
 
 ENV = "PIPESERVE_FAULTS"
-Corruption = Literal["digest", "block_range", "unknown_request", "rows"]
+Corruption = Literal["digest", "block_range", "unknown_request", "rows", "report_digest"]
 
 
 class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -63,7 +64,7 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def corrupt_plan(self, plan: StepPlan, num_blocks: int) -> StepPlan:
         """The plan as the corrupting stage sends it (activations: see corrupt_rows)."""
-        if not plan.chunks or self.corrupt == "rows":
+        if not plan.chunks or self.corrupt in ("rows", "report_digest"):
             return plan
         first = plan.chunks[0]
         if self.corrupt == "digest":
@@ -77,3 +78,8 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def corrupt_rows(self, acts: torch.Tensor) -> torch.Tensor:
         return acts[:-1] if self.corrupt == "rows" else acts
+
+    def corrupt_report(self, report: StageReport) -> StageReport:
+        if self.corrupt != "report_digest":
+            return report
+        return msgspec.structs.replace(report, digest=report.digest ^ 1)

@@ -146,7 +146,11 @@ class PipelineExecutor:
 
     def _check(self) -> None:
         if self.failed:
-            raise GroupStopped(self.failed)
+            raise GroupStopped(self.failed, logged=True)
+
+    def stop_group(self, reason: str) -> None:
+        """Stop the whole group (stage 0 found a divergence); raises GroupStopped."""
+        self._fail(reason)
 
     def _fail(self, reason: str) -> None:
         if self.failed is None:
@@ -156,7 +160,7 @@ class PipelineExecutor:
                 self.link.send(Stop(0, reason, True))
             except GroupStopped:
                 pass  # stage 1 is already gone
-        raise GroupStopped(self.failed)
+        raise GroupStopped(self.failed, logged=True)
 
     def close(self) -> None:
         """Clean shutdown: a Stop goes round the ring and comes back; results in flight are dropped."""
