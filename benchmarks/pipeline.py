@@ -107,7 +107,7 @@ def vm_hwm(pid: int | str = "self") -> int:
     raise RuntimeError("VmHWM not found")
 
 
-def run_child(name: str, stages: int) -> dict[str, Any]:
+def run_child(name: str, stages: int, max_inflight: int | None) -> dict[str, Any]:
     from pipeserve import LLM, SamplingParams
 
     path = model_dir(name)
@@ -122,6 +122,7 @@ def run_child(name: str, stages: int) -> dict[str, Any]:
         num_threads=max(1, cores // stages),
         kv_cache_gb=kv_gb / stages,  # the same token capacity for every S
         max_model_len=512,
+        max_inflight=max_inflight,
     ) as llm:
         llm.generate(work.prompts[:4], params[:4])  # warm-up, not timed
         eng = llm.engine
@@ -157,6 +158,7 @@ def run_child(name: str, stages: int) -> dict[str, Any]:
     return {
         "model": name,
         "stages": stages,
+        "max_inflight": llm.engine.executor.max_inflight,
         "threads_per_stage": max(1, cores // stages),
         "requests": n,
         "concurrency": concurrency,
@@ -179,19 +181,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the small model only")
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", choices=sorted(MODELS), default=None, help="one model only")
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "STAGES"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--extra-inflight",
+        action="store_true",
+        help="also run S > 1 with max_inflight = S + 1 (one microbatch more than stages)",
+    )
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "STAGES", "INFLIGHT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(args.child[0], int(args.child[1]))))
+        inflight = int(args.child[2]) or None
+        print(json.dumps(run_child(args.child[0], int(args.child[1]), inflight)))
         return
     runs = ([] if args.quick else [("main", 1), ("main", 2)]) + [("small", 1), ("small", 2), ("small", 4)]
     if args.only:
         runs = [r for r in runs if r[0] == args.only]
+    plan = [(name, stages, 0) for name, stages in runs]
+    if args.extra_inflight:
+        plan += [(name, stages, stages + 1) for name, stages in runs if stages > 1]
     results = []
-    for name, stages in runs:
+    for name, stages, inflight in plan:
         model_dir(name)  # written once, outside the timed children
         out = subprocess.run(
-            [sys.executable, __file__, "--child", name, str(stages)],
+            [sys.executable, __file__, "--child", name, str(stages), str(inflight)],
             capture_output=True,
             text=True,
             check=False,
@@ -210,7 +221,8 @@ def report(r: dict[str, Any], results: list[dict[str, Any]]) -> None:
     base = next(x for x in results if x["model"] == r["model"] and x["stages"] == 1)
     same = r["tokens"] == base["tokens"]
     print(
-        f"{r['model']:5s} S={r['stages']} threads/stage={r['threads_per_stage']}: "
+        f"{r['model']:5s} S={r['stages']} inflight={r['max_inflight']} "
+        f"threads/stage={r['threads_per_stage']}: "
         f"{r['wall_s']:6.1f} s {r['tok_per_s']:7.1f} tok/s "
         f"(x{r['tok_per_s'] / base['tok_per_s']:.2f} of S=1); "
         f"saturated {r['saturated_s']:5.1f} s {r['saturated_tok_per_s']:7.1f} tok/s "

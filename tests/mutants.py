@@ -136,8 +136,8 @@ MUTANTS = [
     (
         "group takes stage 0's pool size, not the minimum",
         "services/pipeserve/stage/group.py",
-        "    blocks = min(i.kv_blocks for i in ids)",
-        "    blocks = mine.kv_blocks",
+        "    return min(i.kv_blocks for i in ids)",
+        "    return ids[0].kv_blocks",
         "tests/test_pipeline_congruence.py -k smallest",
     ),
     (

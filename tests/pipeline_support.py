@@ -30,10 +30,15 @@ class CongruenceWatch:
         self.last_step = 0
         self.mismatches: list[tuple[int, int, tuple[int, int], tuple[int, int]]] = []
         self.max_inflight_seen = 0
+        self.shared_chunks = 0  # plans sent while another plan in the ring held the same request
+        self._ring: dict[int, set[str]] = {}
         self.steps = 0
         submit, collect = self.executor.submit, self.executor.collect
 
         def watched_submit(plan: StepPlan) -> None:
+            ids = {c.req_id for c in plan.chunks}
+            self.shared_chunks += any(ids & other for other in self._ring.values())
+            self._ring[plan.step_id] = ids
             submit(plan)
             self.expected[plan.step_id] = (len(self.runner.reqs), len(self.runner.block_refs))
             self.held_reqs[plan.step_id] = frozenset(self.runner.reqs)
@@ -42,6 +47,7 @@ class CongruenceWatch:
         def watched_collect() -> StepOutput:
             out = collect()
             want = self.expected.pop(out.step_id)
+            self._ring.pop(out.step_id)
             self.steps += 1
             self.last_step = out.step_id
             self.reported[out.step_id] = [(r.num_reqs, r.blocks_held) for r in out.reports]

@@ -3,9 +3,10 @@
 One group per (checkpoint, S) runs a workload that mixes prompt lengths from 1
 to ~190 tokens, splits prompts into chunks (small token budget), hits the
 prefix cache, and preempts (small KV pool) — with up to S microbatches in the
-ring. Every step, every stage must hold exactly the request tables and blocks
-stage 0 holds after the same plan (CongruenceWatch), and at the end every
-stage's pool is empty.
+ring, long prompts having consecutive chunks in several of them. Every step,
+every stage must hold exactly the request tables and blocks stage 0 holds
+after the same plan (CongruenceWatch), and at the end every stage's pool is
+empty.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def run_and_check(model_dir: Path, stages: int) -> None:
         assert any(c.sample_index < 0 for p in plans for c in p.chunks), "no prompt was chunked"
         if stages > 1:
             assert watch.max_inflight_seen >= 2, "microbatches never overlapped in the ring"
+            assert watch.shared_chunks > 0, "no prompt had chunks in two plans of the ring at once"
         watch.check()
         assert eng.num_free_blocks == eng.num_total_blocks
         assert len(eng.stage_reports) == stages

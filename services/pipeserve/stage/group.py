@@ -46,8 +46,8 @@ class Rendezvous:
             raise ConfigError("rendezvous: give either master_addr and master_port, or a rendezvous file")
 
 
-def join(rdzv: Rendezvous, device: torch.device, timeout_s: float) -> tuple[dist.ProcessGroup, ...]:
-    """Connect to every other stage; returns (metadata group, activation group)."""
+def join(rdzv: Rendezvous, timeout_s: float) -> tuple[dist.ProcessGroup, dist.Store]:
+    """Connect to every other stage; returns the gloo group and the store."""
     timeout = timedelta(seconds=timeout_s)
     if rdzv.file is not None:
         store: dist.Store = dist.FileStore(rdzv.file, rdzv.world_size)
@@ -79,12 +79,22 @@ def join(rdzv: Rendezvous, device: torch.device, timeout_s: float) -> tuple[dist
             f"stage {rdzv.rank}: group did not form within {timeout_s:g}s "
             f"(stages not joined: {missing or 'none'}): {str(e).splitlines()[0][:200]}"
         ) from None
-    if device.type != "cuda":
-        return meta, meta
-    nccl_opts = dist.ProcessGroupNCCL.Options()
-    nccl_opts._timeout = timeout
-    data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rdzv.rank, rdzv.world_size, nccl_opts)
-    return meta, data
+    return meta, store
+
+
+def activation_group(
+    rdzv: Rendezvous, store: dist.Store, meta: dist.ProcessGroup, gpus: list[str], timeout_s: float
+) -> dist.ProcessGroup:
+    """NCCL when every stage has a GPU of its own, else the gloo group (activations via host memory).
+
+    gpus: each stage's GPU UUID ('' on CPU). NCCL cannot pair two ranks on one
+    GPU, which is what stages sharing a machine's only GPU would be.
+    """
+    if not all(gpus) or len(set(gpus)) < len(gpus):
+        return meta
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rdzv.rank, rdzv.world_size, opts)
 
 
 class StageIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -95,6 +105,7 @@ class StageIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int
     dtype: str
     kv_blocks: int
+    gpu: str  # UUID of the stage's GPU; '' on CPU
 
 
 _MUST_MATCH = (
@@ -106,8 +117,10 @@ _MUST_MATCH = (
 )
 
 
-def agree(pg: dist.ProcessGroup, mine: StageIdentity, world_size: int, timeout_s: float) -> int:
-    """Exchange identities with every stage; returns the group's KV block count."""
+def agree(
+    pg: dist.ProcessGroup, mine: StageIdentity, world_size: int, timeout_s: float
+) -> list[StageIdentity]:
+    """Exchange identities with every stage; returns them in rank order (see module doc)."""
     data = msgspec.json.encode(mine)
     if len(data) > IDENTITY_BYTES:
         raise ConfigError(f"stage identity too long ({len(data)} bytes)")
@@ -128,13 +141,17 @@ def agree(pg: dist.ProcessGroup, mine: StageIdentity, world_size: int, timeout_s
                     f"congruence: {label} differs: stage {ids[0].rank} has {getattr(ids[0], field)!r}, "
                     f"stage {other.rank} has {getattr(other, field)!r}"
                 )
-    blocks = min(i.kv_blocks for i in ids)
     if mine.rank == 0:
         log.info(
             "group agreed: %d stages, split %s, %d KV blocks (proposed %s)",
             world_size,
             mine.layer_split,
-            blocks,
+            group_blocks(ids),
             [i.kv_blocks for i in ids],
         )
-    return blocks
+    return ids
+
+
+def group_blocks(ids: list[StageIdentity]) -> int:
+    """Every stage's pool has the group minimum of the proposed block counts."""
+    return min(i.kv_blocks for i in ids)

@@ -28,8 +28,9 @@ variant that breaks it (stage/faults.py) and is caught by its deadline.
    never on a reply from a successor.
 
 Frames are typed (messages.py); activations travel as raw bytes of the
-group's dtype on the data process group (gloo on CPU, NCCL on CUDA), metadata
-on the gloo group. A peer that dies closes its sockets, which fails the
+group's dtype on the data process group — NCCL when every stage has its own
+GPU, else gloo (CPU stages; CUDA stages sharing a GPU stage through host
+memory) — and metadata on the gloo group. A peer that dies closes its sockets, which fails the
 pending receive at once; a peer that hangs is caught by the deadline.
 """
 
@@ -91,6 +92,9 @@ class RingLink:
         self.timeout_s = NO_DEADLINE_S if faults.no_deadline else timeout_s
         self.blocking_io = faults.blocking_io
         self.max_pending = max_pending
+        # Activations go through host memory when the data group is gloo (CPU, or
+        # CUDA stages sharing one GPU, which NCCL cannot pair).
+        self.via_host = data_pg is meta_pg and device.type != "cpu"
         self._pending: deque[_PendingSend] = deque()
         self._inbox: queue.Queue[tuple[Frame, torch.Tensor | None] | _LinkFailure] = queue.Queue()
         self._receiver: threading.Thread | None = None
@@ -128,11 +132,12 @@ class RingLink:
             raise GroupStopped(f"stage {self.rank}: undecodable frame from stage {self.prev}: {e}") from e
         acts = None
         if rows:
-            raw = torch.empty((rows, cols), dtype=torch.uint8, device=self.device)
+            on = torch.device("cpu") if self.via_host else self.device
+            raw = torch.empty((rows, cols), dtype=torch.uint8, device=on)
             self._wait(self.data_pg.recv([raw], self.prev, TAG), f"activations from stage {self.prev}")
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            acts = raw.view(self.act_dtype)
+            if on.type == "cuda":
+                torch.cuda.current_stream(on).synchronize()
+            acts = raw.view(self.act_dtype).to(self.device)
         return frame, acts
 
     def recv(self) -> tuple[Frame, torch.Tensor | None]:
@@ -168,7 +173,7 @@ class RingLink:
         rows, cols = 0, 0
         keep: list[torch.Tensor] = []
         if acts is not None:
-            raw = acts.contiguous().view(torch.uint8)
+            raw = (acts.cpu() if self.via_host else acts).contiguous().view(torch.uint8)
             rows, cols = raw.shape
             keep.append(raw)
         header = torch.tensor([len(payload), rows, cols, 0], dtype=torch.int64)

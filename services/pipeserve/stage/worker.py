@@ -21,7 +21,14 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader import balanced_layer_split, load_stage_model, model_fingerprint
 from pipeserve.model.stage_model import StageSpec
 from pipeserve.stage.faults import Faults
-from pipeserve.stage.group import Rendezvous, StageIdentity, agree, join
+from pipeserve.stage.group import (
+    Rendezvous,
+    StageIdentity,
+    activation_group,
+    agree,
+    group_blocks,
+    join,
+)
 from pipeserve.stage.transport import RingLink
 
 log = logging.getLogger(__name__)
@@ -90,7 +97,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
     link = None
     if rdzv is not None and config.stages > 1:
-        meta_pg, data_pg = join(rdzv, device, config.connect_timeout_s)
+        meta_pg, store = join(rdzv, config.connect_timeout_s)
         identity = StageIdentity(
             rank,
             model_fingerprint(config.model, cfg.dtype),
@@ -99,8 +106,12 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
             max_len,
             str(cfg.dtype).removeprefix("torch."),
             blocks,
+            str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "",
         )
-        blocks = agree(meta_pg, identity, config.stages, config.connect_timeout_s)
+        ids = agree(meta_pg, identity, config.stages, config.connect_timeout_s)
+        blocks = group_blocks(ids)
+        gpus = [i.gpu for i in ids]
+        data_pg = activation_group(rdzv, store, meta_pg, gpus, config.connect_timeout_s)
         link = RingLink(
             rank, config.stages, meta_pg, data_pg, cfg.dtype, device, config.ring_timeout_s, faults
         )

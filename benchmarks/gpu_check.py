@@ -1,0 +1,75 @@
+"""Device checks for a machine with a GPU (not part of the CPU test suite).
+
+Run as one short script where a GPU is lent:
+
+    python benchmarks/gpu_check.py            # ~2 minutes
+
+1. The demo checkpoint in float32 on `cuda`: greedy ids of pipeserve with
+   S = 1 and S = 2 (two stage processes; on one GPU the activations go through
+   host memory over gloo, since NCCL cannot pair two ranks on one device) equal
+   transformers' on the same GPU, with TF32 off.
+   With two or more GPUs, S = 2 puts a GPU under each stage and activations go
+   over NCCL (the first send on each link is warmed by the ring's Hello).
+2. Offline tokens/s of each run, for the record.
+Exit status 0 only if every comparison holds.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from transformers import AutoModelForCausalLM
+
+    from pipeserve import LLM, SamplingParams
+    from pipeserve.model.demo import DemoSpec, write_demo_model
+
+    model = write_demo_model(tempfile.mkdtemp() + "/demo", DemoSpec())
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 200))] for _ in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).cuda().eval()
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            want.append(out[0, len(p) :].tolist())
+    ok = True
+    shared = torch.cuda.device_count() < 2  # stage k runs on cuda:(k % device_count)
+    configs = [(1, "one GPU"), (2, "one GPU shared, gloo via host memory" if shared else "a GPU each, NCCL")]
+    for stages, label in configs:
+        with LLM(str(model), stages=stages, device="cuda", max_model_len=512, kv_cache_gb=1.0) as llm:
+            t0 = time.perf_counter()
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            dt = time.perf_counter() - t0
+        same = sum(g == w for g, w in zip(got, want, strict=True))
+        ok &= same == len(prompts)
+        print(
+            f"S={stages} {label}: {same}/{len(prompts)} equal to transformers, "
+            f"{24 * len(prompts) / dt:.0f} tok/s",
+            flush=True,
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
