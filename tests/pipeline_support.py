@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -88,6 +89,13 @@ def stage_log(log_dir: Path, rank: int) -> str:
 
 def group_stop_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "GROUP STOP:" in line]
+
+
+# How a stage names a silent stage 1: waiting for (part of) a frame from it, or for it
+# to take a send (a stage stopped mid-frame leaves its successor waiting on the rest).
+SILENT_STAGE_1 = re.compile(
+    r"deadline: ((no frame|frame body|activations) from stage 1|send of \w+ to stage 1 not completed)"
+)
 
 
 def stop_reasons(llm: LLM, err: BaseException | None) -> list[str]:

@@ -9,7 +9,6 @@ the variant is shown to hang past the bound and the test cleans it up.
 
 from __future__ import annotations
 
-import re
 import signal
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from conftest import hf_greedy, random_prompts
 from pipeline_support import (
+    SILENT_STAGE_1,
     CongruenceWatch,
     kill_quietly,
     pid_alive,
@@ -32,8 +32,6 @@ from pipeserve.stage.faults import ENV, Faults
 
 RING_TIMEOUT = 3.0
 BOUND = RING_TIMEOUT + 6  # a broken rule must be reported within this
-# How a stage names a silent stage 1: waiting for its frames, or for it to take a send.
-SILENT_STAGE_1 = re.compile(r"deadline: (no frame from stage 1|send of \w+ to stage 1 not completed)")
 
 
 def use_faults(monkeypatch: pytest.MonkeyPatch, **kw) -> None:

@@ -72,6 +72,8 @@ class Follower:
         if plan.chunks and acts is None:
             raise PlanMismatch(f"stage {self.rank}: step {plan.step_id} has tokens but no activations")
         hidden, sampled, report = self.runner.run(plan, acts)
+        if self.faults.corrupts(self.rank, plan):
+            report = self.faults.corrupt_report(report)
         reports = [*fwd.reports, report]
         if self.is_last:
             self.link.send(Result(StepOutput(plan.step_id, sampled, reports)))
