@@ -148,6 +148,27 @@ MUTANTS = [
         "tests/test_pipeline_congruence.py -k checkpoints",
     ),
     (
+        "stage 0 ignores the digests the stages report",
+        "services/pipeserve/engine/engine.py",
+        "                diverged = [(r.rank, r.digest) for r in output.reports if r.digest != plan.digest]",
+        "                diverged = []",
+        "tests/test_pipeline_faults.py -k report_digest",
+    ),
+    (
+        "a sampling chunk is not waited for: the next decode is scheduled before its token",
+        "services/pipeserve/engine/scheduler.py",
+        "            if req.num_scheduled == req.num_tokens or req.status is not RequestStatus.RUNNING:",
+        "            if req.status is not RequestStatus.RUNNING:",
+        "tests/test_scheduler_microbatches.py tests/test_pipeline_correctness.py -k 'llama and 2'",
+    ),
+    (
+        "plan budget ignores the plans in flight (microbatches unbalanced)",
+        "services/pipeserve/engine/scheduler.py",
+        "        work = self._inflight_tokens + sum(r.num_tokens - r.num_scheduled for r in self.running)",
+        "        work = sum(r.num_tokens - r.num_scheduled for r in self.running)",
+        "tests/test_scheduler_microbatches.py",
+    ),
+    (
         "LLM exit does not shut the ring down",
         "services/pipeserve/entrypoints/llm.py",
         "        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group)",
