@@ -108,7 +108,7 @@ def paged_attention_prefill(
     keys = k_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
     values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
     qg = q.transpose(0, 1).reshape(kvh, g * length, d)
-    rows = torch.arange(length, device=q.device).repeat(g)[:, None]
+    rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos
     mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [G*L, ctx]
     # A leading batch dim selects torch's fused CPU attention over the generic path.
     out = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask, scale=scale)

@@ -22,9 +22,10 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from pipeserve.config import add_engine_args, engine_config_from_args
-from pipeserve.errors import EXIT_GROUP_STOP, ConfigError, GroupStopped
+from pipeserve.config import EngineConfig, add_engine_args, engine_config_from_args
+from pipeserve.errors import EXIT_GROUP_STOP, ConfigError, GroupStopped, ModelLoadError
 from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
+from pipeserve.stage.group import Rendezvous
 
 log = logging.getLogger("pipeserve.stage")
 
@@ -103,7 +104,7 @@ def _watch_parent(pid: int, rank: int) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-def _serve_leader(config, rdzv) -> int:
+def _serve_leader(config: EngineConfig, rdzv: Rendezvous) -> int:
     """Stage 0 without a request server: forms the ring and keeps it alive until SIGTERM/SIGINT."""
     from pipeserve.engine.engine import LLMEngine
 
@@ -122,7 +123,6 @@ def _serve_leader(config, rdzv) -> int:
 
 def _stage(args: argparse.Namespace) -> int:
     from pipeserve.stage.follower import Follower
-    from pipeserve.stage.group import Rendezvous
     from pipeserve.stage.launcher import PARENT_ENV
     from pipeserve.stage.worker import build_stage
 
@@ -143,6 +143,9 @@ def _stage(args: argparse.Namespace) -> int:
         if not e.logged:
             log.error("GROUP STOP: %s", e)
         code = EXIT_GROUP_STOP
+    except (ValueError, ModelLoadError) as e:  # ConfigError, a checkpoint this stage cannot serve
+        log.error("stage %d cannot start: %s", args.rank, e)
+        code = 2
     # Skip interpreter teardown: destroying a process group whose receiver thread is
     # blocked in a native wait aborts the process, turning a clean status into SIGABRT.
     logging.shutdown()

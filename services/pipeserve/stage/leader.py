@@ -20,6 +20,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +32,7 @@ from pipeserve.stage.transport import RingLink
 from pipeserve.stage.worker import Stage
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def warm_activation(stage: Stage) -> torch.Tensor:
@@ -136,13 +139,15 @@ class PipelineExecutor:
         self._last_activity = time.monotonic()
 
     # --- failure and shutdown -------------------------------------------------
-    def _guard(self, fn):
+    def _guard(self, fn: Callable[[], T]) -> T:
+        """Run one link call; a failure stops the group (named by a follower's Stop if one came)."""
         self._check()
         try:
             return fn()
         except GroupStopped as e:
             stop = self.link.poll_stop(1.0)  # a follower's Stop names the cause better than a broken link
             self._fail(stop.reason if stop else str(e))
+            raise  # unreachable: _fail raises
 
     def _check(self) -> None:
         if self.failed:
