@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeserve.errors import EXIT_GROUP_STOP
 
 
@@ -112,6 +114,7 @@ def test_group_takes_the_smallest_pool_and_env_configures_a_stage(llama_dir: Pat
         follower.finish(0.1)
 
 
+@pytest.mark.slow  # waits out ring deadlines
 def test_a_missing_stage_is_named_when_the_group_cannot_form(llama_dir: Path, tmp_path: Path) -> None:
     rdzv = tmp_path / "rdzv"
     extra = ("--num-kv-blocks", "32", "--connect-timeout-s", "4")

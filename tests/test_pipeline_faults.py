@@ -116,6 +116,7 @@ def test_killed_stage_stops_the_others_within_the_deadline(
         llm.shutdown()
 
 
+@pytest.mark.slow  # waits out ring deadlines
 def test_stopped_stage_is_caught_by_the_deadline(llama_dir: Path, tmp_path: Path) -> None:
     """SIGSTOP: the peer is alive but silent; only deadlines can end the waits (rule 4)."""
     llm = group(llama_dir, tmp_path)

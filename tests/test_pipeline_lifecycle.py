@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from pipeline_support import stage_processes, wait_dead
 from pipeserve import LLM
-from pipeserve.errors import ModelLoadError
+from pipeserve.errors import ConfigError, ModelLoadError
+from pipeserve.stage.launcher import LocalGroup
 
 DRIVER = textwrap.dedent(
     """
@@ -91,3 +92,18 @@ def test_a_failed_start_leaves_no_stage_process(llama_dir: Path, tmp_path: Path)
     with pytest.raises(ModelLoadError, match="embed_tokens"):
         LLM(str(broken), stages=3, max_model_len=128, num_kv_blocks=32, connect_timeout_s=120)
     assert not wait_dead(list(set(stage_processes(os.getpid())) - before), 5)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error"),
+    [({"stages": 5}, ModelLoadError), ({"stages": 2, "layer_split": "0:1,1:3"}, ConfigError)],
+)
+def test_an_impossible_split_fails_before_any_stage_starts(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, kw: dict, error: type
+) -> None:
+    started: list[int] = []
+    real_start = LocalGroup.start
+    monkeypatch.setattr(LocalGroup, "start", lambda group: started.append(1) or real_start(group))
+    with pytest.raises(error, match="layer"):
+        LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32, **kw)
+    assert not started, "stage processes were started for a split that cannot work"

@@ -83,6 +83,7 @@ def test_full_ring_completes_with_async_sends_and_standing_receives(
         assert o.outputs[0].token_ids == hf_greedy(llama_dir, p, 8)
 
 
+@pytest.mark.slow  # waits out ring deadlines
 @pytest.mark.parametrize("stages", [2, 3])
 def test_can_fail_blocking_io_deadlocks_and_the_deadline_reports_it(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stages: int
@@ -94,6 +95,7 @@ def test_can_fail_blocking_io_deadlocks_and_the_deadline_reports_it(
 
 
 # --- rule 3: stage 0 sends what it owes before waiting on the return link -----------
+@pytest.mark.slow  # waits out ring deadlines
 def test_can_fail_waiting_on_the_return_link_before_sending_is_caught(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -104,6 +106,7 @@ def test_can_fail_waiting_on_the_return_link_before_sending_is_caught(
 
 
 # --- rule 4: every wait has a deadline; an idle ring stays inside them ---------------
+@pytest.mark.slow  # waits out ring deadlines
 @pytest.mark.parametrize("no_heartbeat", [False, True], ids=["heartbeats", "can-fail-no-heartbeat"])
 def test_idle_ring_is_not_a_failure(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_heartbeat
@@ -120,6 +123,7 @@ def test_idle_ring_is_not_a_failure(
         assert verdict == "completed", result
 
 
+@pytest.mark.slow  # waits out ring deadlines
 @pytest.mark.parametrize("no_deadline", [False, True], ids=["deadlines", "can-fail-no-deadline"])
 def test_silent_peer_is_reported_within_the_deadline(
     llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_deadline: bool

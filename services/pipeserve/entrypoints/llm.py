@@ -28,9 +28,11 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.launcher import LocalGroup, local_group_config
+from pipeserve.stage.worker import layer_split
 
 Prompt = str | list[int]
 
@@ -46,6 +48,8 @@ class LLM:
             self.engine = LLMEngine(config)
         else:
             config = local_group_config(config)
+            # A split that cannot work fails here, before any process is started.
+            layer_split(config, ModelConfig.from_dir(config.model, config.dtype).num_layers)
             self.group = LocalGroup(config)
             self.group.start()
             try:
