@@ -62,6 +62,14 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             and bool(plan.chunks)
         )
 
+    def outgoing(
+        self, rank: int, plan: StepPlan, acts: torch.Tensor | None, num_blocks: int
+    ) -> tuple[StepPlan, torch.Tensor | None]:
+        """What stage `rank` sends on for `plan`: unchanged unless this stage corrupts it."""
+        if not self.corrupts(rank, plan):
+            return plan, acts
+        return self.corrupt_plan(plan, num_blocks), None if acts is None else self.corrupt_rows(acts)
+
     def corrupt_plan(self, plan: StepPlan, num_blocks: int) -> StepPlan:
         """The plan as the corrupting stage sends it (activations: see corrupt_rows)."""
         if not plan.chunks or self.corrupt in ("rows", "report_digest"):

@@ -78,10 +78,7 @@ class Follower:
         if self.is_last:
             self.link.send(Result(StepOutput(plan.step_id, sampled, reports)))
             return
-        sent = plan
-        if self.faults.corrupts(self.rank, plan):
-            sent = self.faults.corrupt_plan(plan, self.runner.num_blocks)
-            hidden = None if hidden is None else self.faults.corrupt_rows(hidden)
+        sent, hidden = self.faults.outgoing(self.rank, plan, hidden, self.runner.num_blocks)
         self.link.send(Forward(sent, reports), hidden)
 
     def _stop(self, stop: Stop) -> int:

@@ -88,10 +88,7 @@ class PipelineExecutor:
     def submit(self, plan: StepPlan) -> None:
         self._check()
         hidden, _, report = self.runner.run(plan)
-        sent, acts = plan, hidden
-        if self.faults.corrupts(0, plan):
-            sent = self.faults.corrupt_plan(plan, self.runner.num_blocks)
-            acts = None if hidden is None else self.faults.corrupt_rows(hidden)
+        sent, acts = self.faults.outgoing(0, plan, hidden, self.runner.num_blocks)
         if self.faults.return_first:
             self._early.append(self._receive_result())  # the broken rule: wait before sending
         self._guard(lambda: self.link.send(Forward(sent, [report]), acts))
