@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeserve import LLM
+from pipeserve.engine.plan import StepPlan
 from pipeserve.model.demo import DemoSpec, write_demo_model
 
 
@@ -65,3 +67,25 @@ def hf_logits(path: Path, prompt: list[int]) -> torch.Tensor:
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_matches_hf(model_dir: Path, prompts: list[list[int]], outs, max_tokens: int) -> None:
+    mismatches = []
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        want = hf_greedy(model_dir, p, max_tokens)
+        if o.outputs[0].token_ids != want:
+            mismatches.append((i, len(p), o.outputs[0].token_ids, want))
+    assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, first: {mismatches[0]}"
+
+
+def record_plans(llm: LLM) -> list[StepPlan]:
+    plans: list[StepPlan] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording() -> StepPlan:
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    return plans

@@ -7,18 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import hf_greedy, random_prompts
+from conftest import assert_matches_hf, hf_greedy, random_prompts, record_plans
 from pipeserve import LLM, SamplingParams
 from pipeserve.engine.plan import StepPlan
-
-
-def assert_matches_hf(model_dir: Path, prompts: list[list[int]], outs, max_tokens: int) -> None:
-    mismatches = []
-    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-        want = hf_greedy(model_dir, p, max_tokens)
-        if o.outputs[0].token_ids != want:
-            mismatches.append((i, len(p), o.outputs[0].token_ids, want))
-    assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, first: {mismatches[0]}"
 
 
 def assert_pool_free(llm: LLM) -> None:
@@ -27,19 +18,6 @@ def assert_pool_free(llm: LLM) -> None:
     assert eng.num_free_blocks == eng.num_total_blocks
     assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
     assert eng.runner.reqs == {}, "executor still holds request tables"
-
-
-def record_plans(llm: LLM) -> list[StepPlan]:
-    plans: list[StepPlan] = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording() -> StepPlan:
-        plan = schedule()
-        plans.append(plan)
-        return plan
-
-    llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
-    return plans
 
 
 def test_mixed_batch_matches_hf(model_dir: Path) -> None:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hf_greedy, random_prompts
+from conftest import assert_matches_hf, hf_greedy, random_prompts, record_plans
 from pipeline_support import CongruenceWatch
 from pipeserve import LLM, SamplingParams
-from pipeserve.engine.plan import StepPlan
 
 
 def workload() -> list[list[int]]:
@@ -40,23 +39,10 @@ def run_and_check(model_dir: Path, stages: int) -> None:
         ring_timeout_s=20,
     ) as llm:
         watch = CongruenceWatch(llm)
-        plans: list[StepPlan] = []
-        schedule = llm.engine.scheduler.schedule
-
-        def recording() -> StepPlan:
-            plan = schedule()
-            plans.append(plan)
-            return plan
-
-        llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
+        plans = record_plans(llm)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
         eng = llm.engine
-        differ = [
-            i
-            for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
-            if o.outputs[0].token_ids != hf_greedy(model_dir, p, 20)
-        ]
-        assert not differ, f"S={stages}: prompts {differ} differ from transformers"
+        assert_matches_hf(model_dir, prompts, outs, 20)
         assert eng.scheduler.num_preemptions > 0, "the pool was large enough: no preemption"
         assert eng.block_manager.stats.hit_tokens >= 48, "shared prefixes were never reused"
         assert any(c.sample_index < 0 for p in plans for c in p.chunks), "no prompt was chunked"
