@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean
+.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -44,3 +44,8 @@ clean:
 
 mutants: $(STAMP)
 	$(PY) tests/mutants.py
+
+# Regenerate the gRPC modules from the .proto (tests/test_rpc_codegen.py checks they are current).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I services --python_out=services --pyi_out=services \
+		--grpc_python_out=services services/pipeserve/rpc/generation.proto

@@ -149,3 +149,78 @@ def engine_args_argv(config: EngineConfig) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+# --- serving -----------------------------------------------------------------
+POLICIES = ("round_robin", "least_load", "prefix_affinity")
+
+
+@dataclass(frozen=True)
+class StageServeConfig:
+    """How a stage process serves: its side port, stage 0's gRPC port, wedge detection, draining."""
+
+    host: str = "127.0.0.1"  # where the side port and stage 0's gRPC server listen
+    health_port: int = 0  # /livez /readyz /metrics; 0: no side port
+    grpc_port: int = 0  # stage 0 only; 0: no gRPC server (the stage idles, as before issue 4)
+    wedge_timeout_s: float = 60.0  # work pending and no progress this long ⇒ WEDGE
+    wedge_grace_s: float = 5.0  # after the WEDGE report, exit non-zero after this long
+    max_waiting: int = 1024  # stage 0's admission bound: queued requests beyond it get RESOURCE_EXHAUSTED
+    drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight requests for at most this long
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{name}: {msg} (got {getattr(self, name)!r})")
+
+        need(0 <= self.health_port < 65536, "health_port", "must be a port number (0: none)")
+        need(0 <= self.grpc_port < 65536, "grpc_port", "must be a port number (0: none)")
+        need(self.wedge_timeout_s > 0, "wedge_timeout_s", "must be > 0")
+        need(self.wedge_grace_s >= 0, "wedge_grace_s", "must be >= 0")
+        need(self.max_waiting >= 1, "max_waiting", "must be >= 1")
+        need(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router: its HTTP API, how it picks a group, and the deadline of every upstream call."""
+
+    model: str  # checkpoint directory: tokenizer.json, tokenizer_config.json (chat template)
+    served_model_name: str = ""  # the `model` clients send; "" means `model` as given
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    api_key: str | None = None  # Bearer token required on /v1/*; None: open
+    max_concurrency: int = 256  # requests in flight at the router; more get 429
+    health_interval_s: float = 0.5  # how often every group's Health and Load are polled
+    rpc_timeout_s: float = 2.0  # deadline of Health, Load and Abort calls
+    first_token_timeout_s: float = 120.0  # Generate: deadline for the first message
+    stream_idle_timeout_s: float = 60.0  # Generate: deadline for each later message
+    health_generate_recent_s: float = 5.0  # /health_generate: tokens this recent mean healthy
+    probe_timeout_s: float = 30.0  # /health_generate: deadline of the 1-token probe
+    affinity_overload: int = 8  # prefix_affinity: leave the affine group when its load exceeds the least by this
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{name}: {msg} (got {getattr(self, name)!r})")
+
+        need(Path(self.model).is_dir(), "model", "must be a checkpoint directory")
+        need(0 <= self.port < 65536, "port", "must be a port number")
+        need(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+        need(self.api_key is None or bool(self.api_key), "api_key", "must not be empty")
+        need(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
+        for name in (
+            "health_interval_s",
+            "rpc_timeout_s",
+            "first_token_timeout_s",
+            "stream_idle_timeout_s",
+            "health_generate_recent_s",
+            "probe_timeout_s",
+        ):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.affinity_overload >= 0, "affinity_overload", "must be >= 0")
