@@ -4,6 +4,7 @@
   pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags]
   pipeserve stage --model DIR --rank K --world-size S (--master-addr H --master-port P
                   | --rendezvous-file F) [--layer-split 0:3,3:6] [engine flags]
+                  [--host H --health-port P --grpc-port P --wedge-timeout-s SEC ...]
 
 Without --model, `generate` uses the demo checkpoint in $PIPESERVE_HOME
 (default ~/.cache/pipeserve), writing it on first use.
@@ -22,7 +23,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from pipeserve.config import EngineConfig, add_engine_args, engine_config_from_args
+from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import EXIT_GROUP_STOP, ConfigError, GroupStopped, ModelLoadError
 from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
 from pipeserve.stage.group import Rendezvous
@@ -104,41 +105,20 @@ def _watch_parent(pid: int, rank: int) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-def _serve_leader(config: EngineConfig, rdzv: Rendezvous) -> int:
-    """Stage 0 without a request server: forms the ring and keeps it alive until SIGTERM/SIGINT."""
-    from pipeserve.engine.engine import LLMEngine
-
-    engine = LLMEngine(config, rdzv)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.is_set():
-        if engine.has_unfinished():
-            engine.step()
-        else:
-            stop.wait(0.1)
-    engine.shutdown()
-    return 0
-
-
 def _stage(args: argparse.Namespace) -> int:
-    from pipeserve.stage.follower import Follower
     from pipeserve.stage.launcher import PARENT_ENV
-    from pipeserve.stage.worker import build_stage
 
     missing = [n for n in ("model", "rank", "world_size") if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"stage: missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
-    config = engine_config_from_args(args, args.model, args.world_size)
+    config = config_from_args(EngineConfig, args, model=args.model, stages=args.world_size)
+    serve = config_from_args(StageServeConfig, args, skip=set())
     rdzv = Rendezvous(args.rank, args.world_size, args.master_addr, args.master_port, args.rendezvous_file)
     if parent := os.environ.get(PARENT_ENV):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
         _watch_parent(int(parent), args.rank)
     try:
-        if args.rank == 0:
-            code = _serve_leader(config, rdzv)
-        else:
-            code = Follower(build_stage(config, rdzv)).run()
+        code = _run_stage(args.rank, config, serve, rdzv)
     except GroupStopped as e:
         if not e.logged:
             log.error("GROUP STOP: %s", e)
@@ -154,12 +134,45 @@ def _stage(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
+def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> int:
+    from pipeserve.stage.follower import Follower
+    from pipeserve.stage.health import SidePort, StageStatus
+    from pipeserve.stage.server import serve_leader
+    from pipeserve.stage.wedge import WedgeDetector
+    from pipeserve.stage.worker import build_stage
+
+    status = StageStatus(rank, config.stages)
+    if serve.health_port:
+        SidePort(status, serve.host, serve.health_port).start()
+    if rank == 0:
+        return serve_leader(config, serve, rdzv, status)
+    status.phase = "joining"
+    stage = build_stage(config, rdzv)
+    follower = Follower(stage)
+    detector = WedgeDetector(
+        f"stage {rank}", follower.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s
+    )
+    status.detector = detector
+    meter = stage.runner.meter
+    status.sources.append(
+        lambda: {"pipeserve_stage_busy_seconds": ("counter", "seconds spent computing", meter.busy_s)}
+    )
+    follower.on_frame = detector.beat
+    follower.on_ready = lambda: setattr(status, "phase", "ready")
+    detector.start()
+    code = follower.run()
+    status.phase = "stopped"
+    return code
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipeserve.bench.serving import add_bench_parser
+
     parser = argparse.ArgumentParser(prog="pipeserve")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -205,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("PIPESERVE_RENDEZVOUS_FILE"),
         help="rendezvous through a file (stages on one machine) instead of MASTER_ADDR:MASTER_PORT",
     )
-    add_engine_args(s)
+    add_config_args(s, EngineConfig)
+    add_config_args(s, StageServeConfig, skip=set())
     s.set_defaults(func=_stage)
+    add_bench_parser(sub)
     return parser
 
 

@@ -2,8 +2,9 @@
 
 Invalid values raise ConfigError (a ValueError) naming the field. The same
 fields are the flags of `pipeserve stage` (`--max-num-seqs` ...), built from
-this class by `add_engine_args`, so a launcher turns a config back into the
-argv of a stage process with `engine_args_argv` and nothing is listed twice.
+this class by `add_config_args`, so a launcher turns a config back into the
+argv of a stage process with `config_argv` and nothing is listed twice
+(StageServeConfig and RouterConfig work the same way).
 Environment variables use the PIPESERVE_ prefix and are read by the CLI.
 """
 
@@ -14,10 +15,12 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 from pipeserve.errors import ConfigError
 
 DEVICES = ("cpu", "cuda")
+T = TypeVar("T")
 
 
 def parse_layer_split(text: str) -> list[tuple[int, int]]:
@@ -110,20 +113,20 @@ class EngineConfig:
 _NOT_FLAGS = {"model", "stages", "log_dir"}
 
 
-def _flag_type(annotation: str) -> type:
-    hint = typing.get_type_hints(EngineConfig)[annotation]
+def _flag_type(cls: type, name: str) -> type:
+    hint = typing.get_type_hints(cls)[name]
     if isinstance(hint, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (`--max-num-seqs`), defaulting to the field's default."""
-    for f in fields(EngineConfig):
-        if f.name in _NOT_FLAGS:
+def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] = _NOT_FLAGS) -> None:
+    """One flag per dataclass field (`--max-num-seqs`), defaulting to the field's default."""
+    for f in fields(cls):
+        if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        kind = _flag_type(f.name)
+        kind = _flag_type(cls, f.name)
         default = None if f.default is MISSING else f.default
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
@@ -131,17 +134,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, default=default)
 
 
-def engine_config_from_args(args: argparse.Namespace, model: str, stages: int) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in _NOT_FLAGS}
-    return EngineConfig(model=model, stages=stages, **values)
+def config_from_args(cls: type[T], args: argparse.Namespace, skip: set[str] = _NOT_FLAGS, **fixed) -> T:
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}
+    return cls(**values, **fixed)
 
 
-def engine_args_argv(config: EngineConfig) -> list[str]:
-    """The flags that reproduce `config` through add_engine_args (defaults omitted)."""
+def config_argv(config: object, skip: set[str] = _NOT_FLAGS) -> list[str]:
+    """The flags that reproduce `config` through add_config_args (defaults omitted)."""
     argv: list[str] = []
-    for f in fields(EngineConfig):
+    for f in fields(config):  # type: ignore[arg-type]
         value = getattr(config, f.name)
-        if f.name in _NOT_FLAGS or value == f.default:
+        if f.name in skip or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -198,7 +201,8 @@ class RouterConfig:
     stream_idle_timeout_s: float = 60.0  # Generate: deadline for each later message
     health_generate_recent_s: float = 5.0  # /health_generate: tokens this recent mean healthy
     probe_timeout_s: float = 30.0  # /health_generate: deadline of the 1-token probe
-    affinity_overload: int = 8  # prefix_affinity: leave the affine group when its load exceeds the least by this
+    # prefix_affinity: leave the affine group when its load exceeds the least loaded's by more than this
+    affinity_overload: int = 8
 
     @property
     def model_name(self) -> str:

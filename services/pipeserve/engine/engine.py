@@ -128,6 +128,10 @@ class LLMEngine:
         self.executor.close()
 
     @property
+    def num_inflight_plans(self) -> int:
+        return len(self._inflight)
+
+    @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free
 

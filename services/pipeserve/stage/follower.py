@@ -18,6 +18,7 @@ locally (DESIGN.md section 2).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import StepOutput
@@ -41,6 +42,20 @@ class Follower:
         self.faults = stage.faults
         self.is_last = stage.spec.is_last
         self.last_step = 0
+        self.in_step = False
+        self.ready = False
+        self.on_frame: Callable[[], None] = lambda: None  # forward progress (the wedge detector's beat)
+        self.on_ready: Callable[[], None] = lambda: None  # the ring is formed and warm
+
+    def pending_work(self) -> str | None:
+        """What this stage owes, for the wedge detector; None when idle."""
+        backlog = self.link.backlog
+        if not backlog and not self.in_step:
+            return None
+        return (
+            f"stage {self.rank}: {backlog} frames queued, in a step: {self.in_step} "
+            f"(last step {self.last_step})"
+        )
 
     def run(self) -> int:
         """Serve frames until a Stop; returns the process exit status."""
@@ -48,8 +63,16 @@ class Follower:
         try:
             while True:
                 frame, acts = self.link.recv()
+                self.on_frame()
+                if isinstance(frame, Forward | Heartbeat) and not self.ready:
+                    # Stage 0 sends these only after the Hello came back: the whole ring is formed.
+                    self.ready = True
+                    self.on_ready()
                 if isinstance(frame, Forward):
+                    self.in_step = True
                     self._step(frame, acts)
+                    self.in_step = False
+                    self.on_frame()
                 elif isinstance(frame, Hello):
                     self.link.send(Hello([*frame.visited, self.rank]), warm_activation(self.stage))
                     log.info("stage %d: ring link warm, serving", self.rank)

@@ -42,7 +42,8 @@ class Rendezvous:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank: must be in [0, {self.world_size}) (got {self.rank})")
         tcp = self.master_addr is not None and self.master_port is not None
-        if tcp == (self.file is not None):
+        alone = self.world_size == 1 and not tcp and self.file is None  # nothing to join
+        if tcp == (self.file is not None) and not alone:
             raise ConfigError("rendezvous: give either master_addr and master_port, or a rendezvous file")
 
 

@@ -1,7 +1,7 @@
 """LocalGroup: the followers of a pipeline group as child processes of stage 0's process.
 
 Used by the offline `LLM(stages=S)` (stage 0 runs in the caller's process)
-and, later, by the local supervisor. Rendezvous is a file in a private
+and by the local supervisor (`pipeserve up`: every stage is a child). Rendezvous is a file in a private
 directory: nothing listens on a port, and gloo binds to 127.0.0.1.
 
 No orphans: children exit when the ring breaks (stage 0 gone closes their
@@ -20,9 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from pipeserve.config import EngineConfig, engine_args_argv
+from pipeserve.config import EngineConfig, config_argv
 from pipeserve.stage.group import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,16 @@ class LocalGroup:
     def rendezvous(self, rank: int = 0) -> Rendezvous:
         return Rendezvous(rank, self.config.stages, file=self.rendezvous_file)
 
-    def start(self) -> None:
-        """Start stages 1..S-1; stage 0 is the caller."""
+    def start(
+        self,
+        ranks: range | None = None,
+        extra_argv: Callable[[int], list[str]] | None = None,
+        log_name: Callable[[int], str] = "stage-{}.log".format,
+    ) -> None:
+        """Start the stage processes of `ranks` (default 1..S-1: stage 0 is the caller)."""
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
-        for rank in range(1, self.config.stages):
+        ranks = range(1, self.config.stages) if ranks is None else ranks
+        for rank in ranks:
             argv = [
                 sys.executable,
                 "-m",
@@ -67,12 +74,13 @@ class LocalGroup:
                 str(self.config.stages),
                 "--rendezvous-file",
                 self.rendezvous_file,
-                *engine_args_argv(self.config),
+                *config_argv(self.config),
+                *(extra_argv(rank) if extra_argv else ()),
             ]
             out = None
             if self.config.log_dir:
                 Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-                out = open(Path(self.config.log_dir) / f"stage-{rank}.log", "ab")
+                out = open(Path(self.config.log_dir) / log_name(rank), "ab")
             try:
                 self.procs[rank] = subprocess.Popen(
                     argv,
@@ -84,9 +92,7 @@ class LocalGroup:
             finally:
                 if out is not None:
                     out.close()  # the child holds its own descriptor
-        log.info(
-            "started stages 1..%d: pids %s", self.config.stages - 1, [p.pid for p in self.procs.values()]
-        )
+        log.info("started stages %s: pids %s", list(ranks), [self.procs[r].pid for r in ranks])
 
     @property
     def pids(self) -> dict[int, int]:

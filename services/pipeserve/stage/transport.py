@@ -154,6 +154,11 @@ class RingLink:
             raise GroupStopped(item.reason)
         return item
 
+    @property
+    def backlog(self) -> int:
+        """Frames received from the predecessor and not yet taken by the loop (pending work)."""
+        return self._inbox.qsize()
+
     def poll_stop(self, wait_s: float) -> Stop | None:
         """A Stop already queued (or arriving within wait_s), to name why a link broke."""
         deadline = time.monotonic() + wait_s

@@ -1,0 +1,303 @@
+"""EngineLoop: stage 0's engine on its own thread, fed by the request server.
+
+The engine (scheduler, executors, ring) is single-threaded by design: only
+this loop's thread touches it. Request handlers talk to it through two
+thread-safe calls — `submit()` and `abort()` — which queue commands; each
+pass of the loop applies the queued commands, runs one engine step, and
+pushes every request's new tokens to its `Sink`. A Sink is how a handler
+receives its request's deltas; `push` is called on the loop's thread and
+must not block (the gRPC server's sink hands the delta to its asyncio loop).
+
+Invariants:
+- Every submitted request gets exactly one final delta: finished (stop,
+  length, abort) or an error (the group stopped, the server is shutting
+  down). A handler therefore never waits on a request the loop forgot.
+- Aborting a request frees its blocks on every stage: the scheduler puts it
+  in the next plan's `freed` list, which every follower applies.
+- `stats` is replaced (never mutated) after each pass, so other threads read
+  a consistent snapshot without locks.
+- Progress for the wedge detector is a step that returned or a command
+  applied; pending work is queued commands or unfinished requests.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipeserve.engine.engine import LLMEngine
+from pipeserve.engine.request import Request
+from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # an idle loop wakes this often to see new commands (submit() also wakes it)
+
+
+class Overloaded(RuntimeError):
+    """Stage 0's admission queue is full."""
+
+
+class NotServing(RuntimeError):
+    """The loop is starting, draining or stopped; the message says which."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None
+    finish_reason: str | None = None  # set on the last delta of a request
+    error: str | None = None  # the request ended because the group stopped or shut down
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class Sink(Protocol):
+    def push(self, delta: Delta) -> None: ...
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    pending_tokens: int = 0
+    last_token_at: float | None = None  # monotonic time of the last token produced
+    tokens_generated: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Active:
+    req: Request
+    sink: Sink
+    sent: int = 0
+
+
+@dataclass(frozen=True)
+class _Submit:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    req_id: str
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.phase = Phase.STARTING
+        self.stop_reason: str | None = None
+        self.failed = False  # the loop ended on an error (the group stopped), not a shutdown
+        self.stats = LoopStats(kv_blocks_total=engine.num_total_blocks)
+        self._commands: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
+        self._queued = 0  # submits not yet applied (admission counts them as waiting)
+        self._lock = threading.Lock()  # guards _queued and the phase checks of submit()
+        self._wake = threading.Event()
+        self._active: dict[str, _Active] = {}
+        self._tokens = 0
+        self._finished: dict[str, int] = {}
+        self._last_token_at: float | None = None
+        self._thread: threading.Thread | None = None
+        self.on_progress = lambda: None  # the wedge detector's beat
+        self.done = threading.Event()  # set when the loop has ended (drained or stopped)
+
+    # --- called from request handlers (any thread) -----------------------------
+    def submit(self, req_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Queue a request; raises InvalidRequestError, Overloaded or NotServing at once."""
+        self.engine.validate(prompt, params)  # reads only the model's limits
+        with self._lock:
+            if self.phase is not Phase.READY:
+                raise NotServing(self.status)
+            if self.stats.waiting + self._queued >= self.max_waiting:
+                raise Overloaded(f"admission queue full ({self.max_waiting} waiting)")
+            self._queued += 1
+            self._commands.put(_Submit(req_id, list(prompt), params, sink))
+        self._wake.set()
+
+    def abort(self, req_id: str) -> bool:
+        """Abort a request (a client went away); True if it is still running."""
+        found = req_id in self._active
+        self._commands.put(_Abort(req_id))
+        self._wake.set()
+        return found
+
+    @property
+    def status(self) -> str:
+        if self.phase is Phase.STOPPED:
+            return f"stopped: {self.stop_reason}"
+        return self.phase.value
+
+    def pending_work(self) -> str | None:
+        """What is owed, for the wedge detector; None when idle."""
+        queued = self._commands.qsize()
+        unfinished = self.engine.has_unfinished()
+        if not queued and not unfinished:
+            return None
+        s = self.stats
+        return (
+            f"{queued} queued commands, {s.running} running, {s.waiting} waiting, "
+            f"{self.engine.num_inflight_plans} plans in the ring"
+        )
+
+    # --- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        self.phase = Phase.READY
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Refuse new requests; the loop ends when the running ones have finished."""
+        with self._lock:
+            if self.phase is Phase.READY:
+                self.phase = Phase.DRAINING
+        self._wake.set()
+
+    def end(self, reason: str) -> None:
+        """Stop now: running requests end with `reason` as their error."""
+        with self._lock:
+            if self.phase is not Phase.STOPPED:
+                self.stop_reason = reason
+                self.phase = Phase.STOPPED
+        self._wake.set()
+
+    def join(self, timeout_s: float) -> bool:
+        return self.done.wait(timeout_s)
+
+    # --- the loop (its own thread) ---------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self.phase is not Phase.STOPPED:
+                self._apply_commands()
+                if self.phase is Phase.DRAINING and not self._active:
+                    break
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                    self.on_progress()
+                    self._publish()
+                else:
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+        except GroupStopped as e:
+            self.failed = True
+            self.end(str(e))
+        except Exception as e:
+            log.exception("engine loop failed")
+            self.failed = True
+            self.end(f"engine loop failed: {type(e).__name__}: {e}")
+        finally:
+            self._fail_all(self.stop_reason or "server shutting down")
+            if self.phase is not Phase.STOPPED:
+                self.phase = Phase.STOPPED
+                self.stop_reason = self.stop_reason or "shut down"
+            self.done.set()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self.on_progress()
+            if isinstance(cmd, _Abort):
+                if (active := self._active.get(cmd.req_id)) is not None:
+                    self.engine.abort(cmd.req_id)
+                    self._send(cmd.req_id, active)
+                continue
+            with self._lock:
+                self._queued -= 1
+            if cmd.req_id in self._active:
+                cmd.sink.push(Delta([], None, error=f"request id {cmd.req_id!r} is already running"))
+                continue
+            try:
+                req = self.engine.add_request(cmd.prompt, cmd.params, cmd.req_id)
+            except InvalidRequestError as e:  # validated at submit; a race with nothing else
+                cmd.sink.push(Delta([], None, error=str(e)))
+                continue
+            self._active[cmd.req_id] = _Active(req, cmd.sink)
+        self._update_stats()
+
+    def _publish(self) -> None:
+        for req_id, active in list(self._active.items()):
+            if len(active.req.output_token_ids) > active.sent or active.req.is_finished:
+                self._send(req_id, active)
+        self._update_stats()
+
+    def _send(self, req_id: str, active: _Active) -> None:
+        req = active.req
+        new = req.output_token_ids[active.sent :]
+        logprobs = req.output_logprobs[active.sent :] if req.params.logprobs is not None else None
+        if new:
+            self._tokens += len(new)
+            self._last_token_at = time.monotonic()
+        finish = req.finish_reason.value if req.is_finished and req.finish_reason else None
+        first = active.sent == 0
+        active.sent += len(new)
+        if finish is not None:
+            del self._active[req_id]
+            self._finished[finish] = self._finished.get(finish, 0) + 1
+        active.sink.push(
+            Delta(
+                list(new),
+                list(logprobs) if logprobs is not None else None,
+                finish,
+                prompt_tokens=len(req.prompt_token_ids) if first or finish else 0,
+                cached_tokens=req.num_cached_prompt_tokens if first or finish else 0,
+            )
+        )
+
+    def _fail_all(self, reason: str) -> None:
+        """Every request still owed a final delta gets one (queued submits included)."""
+        for active in self._active.values():
+            active.sink.push(Delta([], None, error=reason))
+        self._active.clear()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Submit):
+                cmd.sink.push(Delta([], None, error=reason))
+        with self._lock:
+            self._queued = 0
+
+    def _update_stats(self) -> None:
+        sched = self.engine.scheduler
+        pending = 0
+        for a in self._active.values():
+            r = a.req
+            pending += len(r.prompt_token_ids) + r.params.max_tokens - len(r.output_token_ids)
+        total = self.engine.num_total_blocks
+        self.stats = LoopStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_blocks_used=total - self.engine.num_free_blocks,
+            kv_blocks_total=total,
+            pending_tokens=pending,
+            last_token_at=self._last_token_at,
+            tokens_generated=self._tokens,
+            requests_finished=dict(self._finished),
+        )

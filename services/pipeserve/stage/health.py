@@ -1,0 +1,128 @@
+"""A stage's side port: /livez, /readyz, /metrics (what kubelet and Prometheus call).
+
+  /livez   200 unless the wedge detector declared a wedge (then 503 with the
+           report); answers from the moment the process starts, loading included
+  /readyz  200 only once the whole ring is formed and warmed up (stage 0: and
+           its request server is accepting); 503 while loading, joining,
+           draining or stopped
+  /metrics Prometheus text: the stage's gauges and counters, read live at
+           scrape time from the objects that own them (no polling thread)
+
+The app runs on uvicorn in a daemon thread with its own event loop, so it
+answers while the stage's main thread computes or blocks on the ring.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pipeserve.stage.wedge import WedgeDetector
+
+log = logging.getLogger(__name__)
+
+# name -> (kind, help, value); kind "gauge" or "counter"; labelled values as {label value: number}
+Sample = tuple[str, str, float | dict[str, float]]
+
+
+@dataclass
+class StageStatus:
+    """What the side port reports; the stage's threads update `phase`, the rest is read live."""
+
+    rank: int
+    world_size: int
+    phase: str = "loading"  # loading, joining, ready, draining, stopped
+    detector: WedgeDetector | None = None
+    # Extra metrics, read at scrape time: name -> (kind, help, value or {label: value}).
+    sources: list[Callable[[], dict[str, Sample]]] = field(default_factory=list)
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and not self.wedged
+
+    @property
+    def wedged(self) -> bool:
+        return self.detector is not None and self.detector.wedged
+
+
+class _StageCollector(Collector):
+    def __init__(self, status: StageStatus) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.status
+        labels = ["rank"]
+        rank = [str(s.rank)]
+        for name, help_, value in (
+            ("pipeserve_stage_ready", "1 when the ring is formed and the stage serves", float(s.ready)),
+            ("pipeserve_stage_wedged", "1 once the wedge detector fired", float(s.wedged)),
+        ):
+            g = GaugeMetricFamily(name, help_, labels=labels)
+            g.add_metric(rank, value)
+            yield g
+        for source in s.sources:
+            for name, (kind, help_, value) in source().items():
+                if isinstance(value, dict):
+                    fam_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    fam = fam_cls(name, help_, labels=[*labels, "reason"])
+                    for label, v in value.items():
+                        fam.add_metric([*rank, label], v)
+                else:
+                    fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                        name, help_, labels=labels
+                    )
+                    fam.add_metric(rank, value)
+                yield fam
+
+
+def build_health_app(status: StageStatus) -> FastAPI:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StageCollector(status))
+    app = FastAPI(title=f"pipeserve stage {status.rank}", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/livez")
+    def livez() -> JSONResponse:
+        det = status.detector
+        if det is not None and det.wedged:
+            return JSONResponse({"status": "wedged", "report": det.report}, status_code=503)
+        return JSONResponse({"status": "ok", "phase": status.phase})
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        code = 200 if status.ready else 503
+        return JSONResponse({"ready": status.ready, "phase": status.phase}, status_code=code)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class SidePort:
+    """The health app on uvicorn in a daemon thread; `stop()` ends it within a deadline."""
+
+    def __init__(self, status: StageStatus, host: str, port: int) -> None:
+        config = uvicorn.Config(
+            build_health_app(status), host=host, port=port, log_level="warning", access_log=False
+        )
+        self.server = uvicorn.Server(config)
+        self.address = f"{host}:{port}"
+        self._thread = threading.Thread(target=self.server.run, name="side-port", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("side port http://%s (/livez /readyz /metrics)", self.address)
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)

@@ -1,0 +1,207 @@
+"""Stage 0's request server: the Generation gRPC service in front of the EngineLoop.
+
+Lifecycle of `serve_leader` (the process of stage 0):
+  loading/joining  the engine is built (model, pool, ring formed and warmed)
+  ready            the engine loop and the gRPC server run; /readyz is 200
+  draining         SIGTERM/SIGINT: new Generate calls get UNAVAILABLE, running
+                   requests finish (at most drain_timeout_s), then the ring is
+                   shut down cleanly (every follower exits 0) and so do we
+  stopped          the group stopped (a stage died, hung or diverged): every
+                   open call ends with UNAVAILABLE naming the cause, the
+                   process exits EXIT_GROUP_STOP and the supervisor restarts
+                   the whole group
+
+A Generate call that is cancelled (the router's client went away, a stop
+string matched, a deadline passed) aborts its request: its blocks return to
+the pool on every stage with the next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+
+from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.engine.engine import LLMEngine
+from pipeserve.errors import EXIT_GROUP_STOP, InvalidRequestError
+from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.rpc import generation_pb2_grpc as pb_grpc
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.stage.engine_loop import Delta, EngineLoop, NotServing, Overloaded
+from pipeserve.stage.group import Rendezvous
+from pipeserve.stage.health import Sample, StageStatus
+from pipeserve.stage.wedge import WedgeDetector
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def delta_to_proto(d: Delta) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        token_ids=d.token_ids,
+        finish_reason=d.finish_reason or "",
+        prompt_tokens=d.prompt_tokens,
+        cached_tokens=d.cached_tokens,
+    )
+    for lp, top in d.logprobs or ():
+        entry = msg.logprobs.add(logprob=lp if lp is not None else 0.0)
+        for tok, v in top or ():
+            entry.top.add(token_id=tok, logprob=v)
+    return msg
+
+
+class _QueueSink:
+    """Hands the loop thread's deltas to one call's asyncio queue."""
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
+        self.aloop = aloop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+
+    def push(self, delta: Delta) -> None:
+        try:
+            self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        except RuntimeError:
+            pass  # the server's event loop has closed: the call is gone with it
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, loop: EngineLoop, model_name: str) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        engine = loop.engine
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        sink = _QueueSink(asyncio.get_running_loop())
+        try:
+            params = sampling_from_proto(request.sampling)
+            self.loop.submit(rid, list(request.prompt_token_ids), params, sink)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}")
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NotServing as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"group not serving: {e}")
+        final = False
+        try:
+            while not final:
+                delta = await sink.queue.get()
+                final = delta.final
+                if delta.error is not None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, delta.error)
+                yield delta_to_proto(delta)
+        finally:
+            if not final:  # cancelled: the client went away or its deadline passed
+                self.loop.abort(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.loop.abort(request.request_id))
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        s = self.loop.stats
+        return pb.HealthResponse(
+            ready=self.loop.status == "ready",
+            status=self.loop.status,
+            model=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            seconds_since_token=-1.0 if s.last_token_at is None else time.monotonic() - s.last_token_at,
+            running=s.running,
+            waiting=s.waiting,
+        )
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        s = self.loop.stats
+        return pb.LoadResponse(
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_total=s.kv_blocks_total,
+            pending_tokens=s.pending_tokens,
+        )
+
+
+def engine_metrics(loop: EngineLoop) -> dict[str, Sample]:
+    s = loop.stats
+    meter = loop.engine.runner.meter
+    return {
+        "pipeserve_requests_running": ("gauge", "requests being computed", s.running),
+        "pipeserve_requests_waiting": ("gauge", "requests queued for admission", s.waiting),
+        "pipeserve_kv_blocks_used": ("gauge", "KV blocks held by requests", s.kv_blocks_used),
+        "pipeserve_kv_blocks_total": ("gauge", "KV blocks in the pool", s.kv_blocks_total),
+        "pipeserve_generation_tokens": ("counter", "tokens generated", s.tokens_generated),
+        "pipeserve_requests_finished": ("counter", "requests finished, by reason", dict(s.requests_finished)),
+        "pipeserve_stage_busy_seconds": ("counter", "seconds this stage spent computing", meter.busy_s),
+    }
+
+
+async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus, model_name: str) -> int:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(loop, model_name), server)
+    port = server.add_insecure_port(f"{serve.host}:{serve.grpc_port}")
+    await server.start()
+    aloop = asyncio.get_running_loop()
+    term = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, term.set)
+    status.phase = "ready"
+    log.info("stage 0 serving gRPC on %s:%d (model %s)", serve.host, port, model_name)
+    done = asyncio.ensure_future(asyncio.to_thread(loop.done.wait))
+    term_wait = asyncio.ensure_future(term.wait())
+    await asyncio.wait([done, term_wait], return_when=asyncio.FIRST_COMPLETED)
+    if term.is_set() and not loop.done.is_set():
+        status.phase = "draining"
+        log.info("draining: %d running, %d waiting", loop.stats.running, loop.stats.waiting)
+        loop.drain()
+        if not await asyncio.to_thread(loop.join, serve.drain_timeout_s):
+            log.warning("drain timed out after %.0fs: ending the remaining requests", serve.drain_timeout_s)
+            loop.end("server shutting down")
+    await asyncio.to_thread(loop.join, loop.engine.config.ring_timeout_s + 5)
+    term_wait.cancel()
+    await server.stop(grace=1.0)
+    status.phase = "stopped"
+    if loop.failed:
+        return EXIT_GROUP_STOP
+    if not loop.done.is_set():
+        log.error("engine loop did not end within its deadline; leaving the ring to its deadlines")
+        return EXIT_GROUP_STOP
+    return 0
+
+
+def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous, status: StageStatus) -> int:
+    """Build the engine (the group forms), serve until SIGTERM or a group stop; the exit status."""
+    status.phase = "joining"
+    engine = LLMEngine(config, rdzv)
+    loop = EngineLoop(engine, serve.max_waiting)
+    detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)
+    status.detector = detector
+    status.sources.append(lambda: engine_metrics(loop))
+    loop.on_progress = detector.beat
+    loop.start()
+    detector.start()
+    code = asyncio.run(_serve(loop, serve, status, serve.served_model_name or config.model))
+    detector.stop()
+    if code == 0:
+        engine.shutdown()  # the clean Stop round: every follower exits 0
+    return code
