@@ -1,0 +1,199 @@
+"""`pipeserve bench`: throughput and latency of an OpenAI-compatible server, like SGLang's bench_serving.
+
+  pipeserve bench --url http://127.0.0.1:8000 --workload random|shared-prefix \\
+      --num-requests N --concurrency C [--request-rate R] [--input-len 128] [--output-len 64] ...
+  pipeserve bench --router-overhead --url http://127.0.0.1:8000 --grpc HOST:PORT [--num-requests 200]
+
+The serving mode sends N streamed `/v1/completions` requests (token-id prompts from
+`workloads.py`, `ignore_eos` so every request generates exactly its drawn output length),
+at most C in flight, arriving as a Poisson process at R req/s (default: all at once), and
+reports what `metrics.py` defines: request/token throughput and TTFT / ITL / TPOT / E2E
+mean, p50, p90, p99. The router-overhead mode is described in `overhead.py`. Results go to
+stdout, and optionally to a JSON file and a markdown section appended to a results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeserve.bench.workloads import BenchRequest
+
+_SECRET_ARGS = ("api_key",)
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (like SGLang bench_serving)")
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
+    b.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    b.add_argument("--num-requests", type=int, default=200)
+    b.add_argument("--concurrency", type=int, default=16, help="most requests in flight at once")
+    b.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson (default: inf)")
+    b.add_argument("--input-len", type=int, default=128, help="prompt tokens (the suffix for shared-prefix)")
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [len*(1-ratio), len]")
+    b.add_argument("--shared-prefix-len", type=int, default=256)
+    b.add_argument("--num-prefixes", type=int, default=4)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--tokenizer", default=None, help="model directory; its config.json gives --vocab-size")
+    b.add_argument("--vocab-size", type=int, default=None, help="token ids are drawn from [3, vocab)")
+    b.add_argument("--json", default=None, metavar="FILE", help="write the results and arguments as JSON")
+    b.add_argument("--results-md", default=None, metavar="FILE", help="append a markdown section")
+    b.add_argument("--label", default="", help="a name for this run in --results-md / --json")
+    b.add_argument("--warmup", type=int, default=2, help="untimed requests before the run")
+    b.add_argument("--timeout-s", type=float, default=600.0, help="limit for each request")
+    b.add_argument(
+        "--router-overhead",
+        action="store_true",
+        help="measure router latency over stage 0's gRPC instead (needs --grpc)",
+    )
+    b.add_argument("--grpc", default=None, metavar="HOST:PORT", help="stage 0's Generation service")
+    b.set_defaults(func=run_bench)
+
+
+def _public_args(args: argparse.Namespace) -> dict:
+    out = {}
+    for k, v in vars(args).items():
+        if k in ("func", "command"):
+            continue
+        if k in _SECRET_ARGS and v:
+            v = "***"  # results files get committed; a key must not be
+        out[k] = None if isinstance(v, float) and math.isinf(v) else v
+    return out
+
+
+def _args_line(args: argparse.Namespace) -> str:
+    """An equivalent command line (secrets hidden) for the results file."""
+    parts = ["pipeserve bench"]
+    for k, v in _public_args(args).items():
+        if v is None or v is False or v == "":
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {v}")
+    return " ".join(parts)
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+# The measuring modules (httpx, grpc, numpy) are imported inside the functions that use them:
+# every `pipeserve` command builds this parser, and they should not pay for those imports.
+
+
+def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    from pipeserve.bench import workloads
+
+    vocab = workloads.resolve_vocab_size(args.vocab_size, args.tokenizer)
+    common = (args.num_requests, args.input_len, args.output_len, args.range_ratio, vocab, args.seed)
+    if args.workload == "random":
+        return workloads.random_workload(*common)
+    return workloads.shared_prefix_workload(*common, args.shared_prefix_len, args.num_prefixes)
+
+
+async def _serve(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[str, dict]:
+    from pipeserve.bench import client, metrics, workloads
+
+    tmo = args.timeout_s
+    arrivals = workloads.arrival_offsets(len(requests), args.request_rate, args.seed)
+    async with client.make_client(args.url, args.concurrency, args.timeout_s, args.api_key) as http:
+        model = args.model or await client.fetch_model(http)
+        if args.warmup > 0:
+            # Short copies of the first prompts: connections open and the server's first-request
+            # costs are paid before timing starts.
+            firsts = [requests[i % len(requests)] for i in range(args.warmup)]
+            warm = [workloads.BenchRequest(r.prompt, min(r.output_len, 4)) for r in firsts]
+            res, _ = await client.run_requests(http, model, warm, [0.0] * len(warm), args.concurrency, tmo)
+            if not any(r.success for r in res):
+                raise ConnectionError(f"every warmup request failed, e.g. {res[0].error}")
+        results, duration = await client.run_requests(
+            http, model, requests, arrivals, args.concurrency, args.timeout_s, progress=sys.stderr.isatty()
+        )
+    return model, metrics.summarize(results, duration)
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    from pipeserve.bench import client
+
+    if args.model:
+        return args.model
+
+    async def fetch() -> str:
+        async with client.make_client(args.url, 1, args.timeout_s, args.api_key) as http:
+            return await client.fetch_model(http)
+
+    return asyncio.run(fetch())
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import httpx
+
+    from pipeserve.bench import metrics, overhead
+
+    if args.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    if args.router_overhead and not args.grpc:
+        raise ValueError("--router-overhead needs --grpc HOST:PORT (stage 0's Generation service)")
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    summary = over = None
+    try:
+        if args.router_overhead:
+            model = _model_name(args)
+            over = overhead.measure_router_overhead(
+                args.url, args.grpc, model, args.num_requests, args.warmup, args.timeout_s, args.api_key
+            )
+            print(overhead.format_overhead(over))
+        else:
+            requests = build_workload(args)
+            model, summary = asyncio.run(_serve(args, requests))
+    except (httpx.HTTPError, ConnectionError) as e:
+        print(f"pipeserve bench: cannot benchmark {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    mode = "router overhead" if args.router_overhead else f"{args.workload} workload"
+    header = {
+        "Mode": mode,
+        "Model": model,
+        "Traffic request rate": f"{args.request_rate:g}",
+        "Max request concurrency": str(args.concurrency),
+    }
+    if summary is not None:
+        print(metrics.format_table(summary, header))
+    if args.json:
+        doc = {
+            "date": started,
+            "label": args.label,
+            "commit": _git_commit(),
+            "model": model,
+            "args": _public_args(args),
+            "results": summary,
+            "router_overhead": over,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.results_md:
+        title = f"Serving benchmark: {args.label or mode}"
+        meta = {"date": started, "commit": _git_commit(), "url": args.url, "model": model, "mode": mode}
+        section = metrics.markdown_section(title, meta, _args_line(args), summary, over)
+        with open(args.results_md, "a", encoding="utf-8") as f:
+            f.write("\n" + section)
+    ok = over["router"]["ok"] and over["direct"]["ok"] if over is not None else summary["completed"]
+    return 0 if ok else 1

@@ -1,0 +1,129 @@
+"""Benchmark workloads: prompts as token-id lists plus an output length per request.
+
+Prompts are random token ids, so no tokenizer is needed and the server's prompt length is
+exactly what we sent. Lengths follow SGLang's random dataset: each request's input and
+output length is drawn uniformly from [len * (1 - range_ratio), len]. Every draw comes
+from numpy Generators seeded by `--seed`, so a workload is reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Ids below this are special tokens in the demo model (EOS, <|im_start|>, <|im_end|>);
+# a random prompt full of EOS or chat markers would not be a typical prompt.
+DEFAULT_MIN_TOKEN_ID = 3
+DEFAULT_VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+
+def resolve_vocab_size(vocab_size: int | None, tokenizer_dir: str | None) -> int:
+    """--vocab-size, else `vocab_size` from the model directory's config.json, else 256."""
+    if vocab_size is not None:
+        return vocab_size
+    if tokenizer_dir:
+        config = Path(tokenizer_dir) / "config.json"
+        try:
+            return int(json.loads(config.read_text())["vocab_size"])
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"--tokenizer: cannot read vocab_size from {config}: {e}") from e
+    return DEFAULT_VOCAB_SIZE
+
+
+def draw_lengths(rng: np.random.Generator, length: int, range_ratio: float, n: int) -> np.ndarray:
+    """n lengths uniform in [length * (1 - range_ratio), length], never below 1."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1], got {range_ratio}")
+    low = max(1, math.floor(length * (1.0 - range_ratio)))
+    return rng.integers(low, length + 1, size=n)
+
+
+def _token_ids(rng: np.random.Generator, n: int, low: int, vocab: int) -> list[int]:
+    return rng.integers(low, vocab, size=n).tolist()
+
+
+def _check_vocab(low: int, vocab: int) -> None:
+    if not 0 <= low < vocab:
+        raise ValueError(f"token ids must come from a non-empty range [{low}, {vocab})")
+
+
+def random_workload(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int,
+    min_token_id: int = DEFAULT_MIN_TOKEN_ID,
+) -> list[BenchRequest]:
+    _check_vocab(min_token_id, vocab_size)
+    rng = np.random.default_rng(seed)
+    in_lens = draw_lengths(rng, input_len, range_ratio, num_requests)
+    out_lens = draw_lengths(rng, output_len, range_ratio, num_requests)
+    return [
+        BenchRequest(_token_ids(rng, int(n_in), min_token_id, vocab_size), int(n_out))
+        for n_in, n_out in zip(in_lens, out_lens, strict=True)
+    ]
+
+
+def shared_prefix_workload(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int,
+    shared_prefix_len: int,
+    num_prefixes: int,
+    min_token_id: int = DEFAULT_MIN_TOKEN_ID,
+) -> list[BenchRequest]:
+    """Request k = prefix[k % num_prefixes] + a random suffix of the drawn input length.
+
+    Requests sharing a prefix exercise the prefix cache and prefix-affinity routing; the
+    suffix keeps every prompt distinct, so whole prompts are never cached.
+    """
+    _check_vocab(min_token_id, vocab_size)
+    if num_prefixes < 1 or shared_prefix_len < 1:
+        raise ValueError("--num-prefixes and --shared-prefix-len must be >= 1")
+    rng = np.random.default_rng(seed)
+    prefixes = [_token_ids(rng, shared_prefix_len, min_token_id, vocab_size) for _ in range(num_prefixes)]
+    in_lens = draw_lengths(rng, input_len, range_ratio, num_requests)
+    out_lens = draw_lengths(rng, output_len, range_ratio, num_requests)
+    out = []
+    for k, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=True)):
+        suffix = _token_ids(rng, int(n_in), min_token_id, vocab_size)
+        out.append(BenchRequest(prefixes[k % num_prefixes] + suffix, int(n_out)))
+    return out
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Send times in seconds from the start: a Poisson process at request_rate req/s.
+
+    Exponential inter-arrival gaps as in SGLang; rate inf sends everything at t=0 (the
+    concurrency limit then paces the run). A generator separate from the workload's keeps
+    the prompts identical whatever the rate.
+    """
+    if request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0, got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = np.random.default_rng([seed, 1])
+    gaps = rng.exponential(1.0 / request_rate, size=num_requests)
+    gaps[0] = 0.0  # the first request goes at once, so duration measures the server, not a wait
+    return np.cumsum(gaps).tolist()
