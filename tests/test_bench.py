@@ -250,7 +250,8 @@ def test_streaming_timings_and_request_shape():
         assert r.output_len == n_out and r.prompt_len == 8
         assert ttft <= r.ttft < ttft + 0.1
         assert len(r.itl) == n_out - 1
-        assert all(itl * 0.9 <= g < itl + 0.06 for g in r.itl)
+        assert all(g >= itl * 0.9 for g in r.itl)  # sleeps are lower bounds; a loaded box only adds
+        assert np.mean(r.itl) < itl + 0.04
         assert ttft + (n_out - 1) * itl * 0.9 <= r.latency < ttft + (n_out - 1) * itl + 0.2
     # two at a time: two waves
     assert state["max_inflight"] == 2
@@ -322,7 +323,8 @@ def test_cli_bench_writes_json_and_markdown(tmp_path, capsys):
     md = out_md.read_text()
     assert md.startswith("# Benchmark results\n")  # appended, not overwritten
     assert "## Serving benchmark: unit test" in md and "| Successful requests | 6 |" in md
-    assert "| TTFT |" in md and "--workload shared-prefix" in md and "secret" not in md
+    assert "| TTFT |" in md and "secret" not in md
+    assert "--workload shared-prefix" in md and "--label 'unit test'" in md
     stdout = capsys.readouterr().out
     assert "Serving Benchmark Result" in stdout and "Output token throughput (tok/s):" in stdout
 
@@ -373,8 +375,10 @@ def test_router_overhead_mode(tmp_path, capsys):
     assert body["prompt"] == list(stage0.requests[0].prompt_token_ids)
     o = json.loads(out_json.read_text())["router_overhead"]
     assert o["router"]["ok"] == 10 and o["direct"]["ok"] == 10
-    assert added * 1000 * 0.9 <= o["overhead_p50_ms"] < added * 1000 + 30
-    assert "Router overhead (p50 difference)" in out_md.read_text()
+    # Wide bounds: both series share the machine with whatever else runs on it.
+    assert added * 1000 * 0.5 <= o["overhead_p50_ms"] < added * 1000 + 50
+    md = out_md.read_text()
+    assert "Router overhead (p50 difference)" in md and "--router-overhead" in md and "--workload" not in md
     assert "Router overhead p50 (ms):" in capsys.readouterr().out
 
 

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import math
+import shlex
 import subprocess
 import sys
 import time
@@ -75,11 +76,18 @@ def _public_args(args: argparse.Namespace) -> dict:
 def _args_line(args: argparse.Namespace) -> str:
     """An equivalent command line (secrets hidden) for the results file."""
     parts = ["pipeserve bench"]
+    if args.router_overhead:  # the serving workload's knobs do not apply
+        unused = {"workload", "concurrency", "request_rate", "input_len", "output_len", "range_ratio"}
+        unused |= {"shared_prefix_len", "num_prefixes", "seed", "tokenizer", "vocab_size"}
+    elif args.workload == "random":
+        unused = {"shared_prefix_len", "num_prefixes"}
+    else:
+        unused = set()
     for k, v in _public_args(args).items():
-        if v is None or v is False or v == "":
+        if v is None or v is False or v == "" or k in unused:
             continue
         flag = "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {v}")
+        parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
     return " ".join(parts)
 
 
@@ -114,7 +122,6 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
 async def _serve(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[str, dict]:
     from pipeserve.bench import client, metrics, workloads
 
-    tmo = args.timeout_s
     arrivals = workloads.arrival_offsets(len(requests), args.request_rate, args.seed)
     async with client.make_client(args.url, args.concurrency, args.timeout_s, args.api_key) as http:
         model = args.model or await client.fetch_model(http)
@@ -123,7 +130,8 @@ async def _serve(args: argparse.Namespace, requests: list[BenchRequest]) -> tupl
             # costs are paid before timing starts.
             firsts = [requests[i % len(requests)] for i in range(args.warmup)]
             warm = [workloads.BenchRequest(r.prompt, min(r.output_len, 4)) for r in firsts]
-            res, _ = await client.run_requests(http, model, warm, [0.0] * len(warm), args.concurrency, tmo)
+            zeros = [0.0] * len(warm)
+            res, _ = await client.run_requests(http, model, warm, zeros, args.concurrency, args.timeout_s)
             if not any(r.success for r in res):
                 raise ConnectionError(f"every warmup request failed, e.g. {res[0].error}")
         results, duration = await client.run_requests(
@@ -195,5 +203,5 @@ def run_bench(args: argparse.Namespace) -> int:
         section = metrics.markdown_section(title, meta, _args_line(args), summary, over)
         with open(args.results_md, "a", encoding="utf-8") as f:
             f.write("\n" + section)
-    ok = over["router"]["ok"] and over["direct"]["ok"] if over is not None else summary["completed"]
+    ok = (over["router"]["ok"] and over["direct"]["ok"]) if over is not None else summary["completed"]
     return 0 if ok else 1
