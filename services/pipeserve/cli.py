@@ -136,7 +136,7 @@ def _stage(args: argparse.Namespace) -> int:
 
 def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> int:
     from pipeserve.stage.follower import Follower
-    from pipeserve.stage.health import SidePort, StageStatus
+    from pipeserve.stage.health import Metric, SidePort, StageStatus
     from pipeserve.stage.server import serve_leader
     from pipeserve.stage.wedge import WedgeDetector
     from pipeserve.stage.worker import build_stage
@@ -155,7 +155,7 @@ def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: R
     status.detector = detector
     meter = stage.runner.meter
     status.sources.append(
-        lambda: {"pipeserve_stage_busy_seconds": ("counter", "seconds spent computing", meter.busy_s)}
+        lambda: {"pipeserve_stage_busy_seconds": Metric("counter", "seconds spent computing", meter.busy_s)}
     )
     follower.on_frame = detector.beat
     follower.on_ready = lambda: setattr(status, "phase", "ready")
@@ -172,6 +172,7 @@ def _env_int(name: str) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pipeserve.bench.serving import add_bench_parser
+    from pipeserve.supervisor.up import add_up_parser
 
     parser = argparse.ArgumentParser(prog="pipeserve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(s, EngineConfig)
     add_config_args(s, StageServeConfig, skip=set())
     s.set_defaults(func=_stage)
+    add_up_parser(sub)
     add_bench_parser(sub)
     return parser
 

@@ -30,8 +30,16 @@ from pipeserve.stage.wedge import WedgeDetector
 
 log = logging.getLogger(__name__)
 
-# name -> (kind, help, value); kind "gauge" or "counter"; labelled values as {label value: number}
-Sample = tuple[str, str, float | dict[str, float]]
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric read at scrape time: a single value, or `values` keyed by the `label`'s values."""
+
+    kind: str  # "gauge" or "counter"
+    help: str
+    value: float = 0.0
+    label: str = ""
+    values: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,8 +50,8 @@ class StageStatus:
     world_size: int
     phase: str = "loading"  # loading, joining, ready, draining, stopped
     detector: WedgeDetector | None = None
-    # Extra metrics, read at scrape time: name -> (kind, help, value or {label: value}).
-    sources: list[Callable[[], dict[str, Sample]]] = field(default_factory=list)
+    # Extra metrics, read at scrape time: name -> Metric.
+    sources: list[Callable[[], dict[str, Metric]]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -70,17 +78,15 @@ class _StageCollector(Collector):
             g.add_metric(rank, value)
             yield g
         for source in s.sources:
-            for name, (kind, help_, value) in source().items():
-                if isinstance(value, dict):
-                    fam_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                    fam = fam_cls(name, help_, labels=[*labels, "reason"])
-                    for label, v in value.items():
-                        fam.add_metric([*rank, label], v)
+            for name, m in source().items():
+                family = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+                if m.label:
+                    fam = family(name, m.help, labels=[*labels, m.label])
+                    for key, v in m.values.items():
+                        fam.add_metric([*rank, key], v)
                 else:
-                    fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                        name, help_, labels=labels
-                    )
-                    fam.add_metric(rank, value)
+                    fam = family(name, m.help, labels=labels)
+                    fam.add_metric(rank, m.value)
                 yield fam
 
 

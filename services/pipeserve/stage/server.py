@@ -33,7 +33,7 @@ from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.engine_loop import Delta, EngineLoop, NotServing, Overloaded
 from pipeserve.stage.group import Rendezvous
-from pipeserve.stage.health import Sample, StageStatus
+from pipeserve.stage.health import Metric, StageStatus
 from pipeserve.stage.wedge import WedgeDetector
 
 log = logging.getLogger(__name__)
@@ -142,17 +142,24 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
-def engine_metrics(loop: EngineLoop) -> dict[str, Sample]:
+def engine_metrics(loop: EngineLoop) -> dict[str, Metric]:
     s = loop.stats
     meter = loop.engine.runner.meter
+    # Blocks each stage reported holding after the last step (stage 0's view of the group).
+    held = {str(r.rank): float(r.blocks_held) for r in loop.engine.stage_reports}
     return {
-        "pipeserve_requests_running": ("gauge", "requests being computed", s.running),
-        "pipeserve_requests_waiting": ("gauge", "requests queued for admission", s.waiting),
-        "pipeserve_kv_blocks_used": ("gauge", "KV blocks held by requests", s.kv_blocks_used),
-        "pipeserve_kv_blocks_total": ("gauge", "KV blocks in the pool", s.kv_blocks_total),
-        "pipeserve_generation_tokens": ("counter", "tokens generated", s.tokens_generated),
-        "pipeserve_requests_finished": ("counter", "requests finished, by reason", dict(s.requests_finished)),
-        "pipeserve_stage_busy_seconds": ("counter", "seconds this stage spent computing", meter.busy_s),
+        "pipeserve_requests_running": Metric("gauge", "requests being computed", s.running),
+        "pipeserve_requests_waiting": Metric("gauge", "requests queued for admission", s.waiting),
+        "pipeserve_kv_blocks_used": Metric("gauge", "KV blocks held by requests", s.kv_blocks_used),
+        "pipeserve_kv_blocks_total": Metric("gauge", "KV blocks in the pool", s.kv_blocks_total),
+        "pipeserve_group_stage_blocks_held": Metric(
+            "gauge", "KV blocks each stage held after the last step", label="stage", values=held
+        ),
+        "pipeserve_generation_tokens": Metric("counter", "tokens generated", s.tokens_generated),
+        "pipeserve_requests_finished": Metric(
+            "counter", "requests finished, by reason", label="reason", values=dict(s.requests_finished)
+        ),
+        "pipeserve_stage_busy_seconds": Metric("counter", "seconds this stage spent computing", meter.busy_s),
     }
 
 

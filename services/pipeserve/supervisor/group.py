@@ -1,0 +1,128 @@
+"""GroupSlot: one pipeline group of `pipeserve up` — its ports, its processes, its life.
+
+A slot owns fixed ports (stage 0's gRPC port, one side port per stage) so the
+router's target for the group never changes across restarts. Each
+incarnation is a fresh LocalGroup (a new rendezvous file, new processes);
+a group is never repaired stage by stage: the communicator of a group that
+lost a stage is broken, so the whole group is stopped and started again.
+
+States: starting (processes up, waiting for every stage's /readyz), ready,
+backoff (stopped after a failure, waiting to restart), stopped (shutdown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from pipeserve.config import EngineConfig, StageServeConfig, config_argv
+from pipeserve.stage.launcher import LocalGroup
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SlotState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPED = "stopped"
+
+
+@dataclass
+class GroupSlot:
+    name: str
+    config: EngineConfig
+    serve: StageServeConfig
+    grpc_port: int = 0
+    health_ports: list[int] = field(default_factory=list)
+    state: SlotState = SlotState.STOPPED
+    restarts: int = 0
+    failures_in_a_row: int = 0
+    started_at: float = 0.0
+    ready_at: float | None = None
+    restart_at: float = 0.0  # in backoff: when to start again
+    last_failure: str = ""
+    group: LocalGroup | None = None
+    probe_failures: dict[int, int] = field(default_factory=dict)  # rank -> unanswered /livez in a row
+
+    def __post_init__(self) -> None:
+        host = self.serve.host
+        if not self.grpc_port:
+            self.grpc_port = free_port(host)
+        if not self.health_ports:
+            self.health_ports = [free_port(host) for _ in range(self.config.stages)]
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.serve.host}:{self.grpc_port}"
+
+    def health_url(self, rank: int) -> str:
+        return f"http://{self.serve.host}:{self.health_ports[rank]}"
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self.group.pids if self.group else {}
+
+    def start(self) -> None:
+        group = LocalGroup(self.config)
+
+        def argv(rank: int) -> list[str]:
+            serve = dataclasses.replace(
+                self.serve, health_port=self.health_ports[rank], grpc_port=self.grpc_port if rank == 0 else 0
+            )
+            return config_argv(serve, skip=set())
+
+        group.start(range(self.config.stages), argv, log_name=f"{self.name}-stage-{{}}.log".format)
+        self.group = group
+        self.state = SlotState.STARTING
+        self.started_at = time.monotonic()
+        self.ready_at = None
+        self.probe_failures = {}
+
+    def exited(self) -> dict[int, int]:
+        return self.group.exited() if self.group else {}
+
+    def kill(self, grace_s: float) -> dict[int, int]:
+        """Stop a failed incarnation: every stage at once (SIGTERM, then SIGKILL after grace_s)."""
+        if self.group is None:
+            return {}
+        for p in self.group.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = self.group.stop(grace_s=grace_s)
+        self.group = None
+        return codes
+
+    def shutdown(self, drain_s: float) -> dict[int, int]:
+        """Clean stop: stage 0 drains and sends the Stop round the ring; stragglers are killed."""
+        if self.group is None:
+            return {}
+        stage0 = self.group.procs.get(0)
+        if stage0 is not None and stage0.poll() is None:
+            stage0.send_signal(signal.SIGTERM)
+        codes = self.group.stop(grace_s=drain_s + 5.0)
+        self.group = None
+        self.state = SlotState.STOPPED
+        return codes
+
+    def snapshot(self) -> dict:
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "restarts": self.restarts,
+            "last_failure": self.last_failure,
+            "grpc": self.grpc_target,
+            "health": [self.health_url(r) for r in range(self.config.stages)],
+            "pids": {str(r): pid for r, pid in self.pids.items()},
+        }

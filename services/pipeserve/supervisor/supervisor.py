@@ -1,0 +1,163 @@
+"""Supervisor: starts R pipeline groups and keeps them serving, the way the operator will.
+
+Every `interval_s` it looks at each group:
+- a stage process exited (crash, group stop, a wedge the stage detected
+  itself) ⇒ the whole group is stopped and restarted;
+- a stage's /livez says wedged (503), or has not answered for longer than
+  its own wedge detector needs (timeout + grace + margin: a stage frozen so
+  hard it cannot even exit, e.g. SIGSTOP) ⇒ the same;
+- a group not ready within connect_timeout_s + margin of its start ⇒ the same.
+Restarts back off exponentially (backoff_s doubling up to backoff_max_s; a
+group ready for `stable_s` is forgiven its past failures) and are counted in
+`pipeserve_group_restarts_total{group}`. The router is told at once
+(`set_down`), so it stops routing to the group before its next health poll,
+and keeps serving from the other groups. Blocking process calls run in a
+worker thread: the router shares this event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pipeserve.supervisor.group import GroupSlot, SlotState
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 1.0
+
+
+class Supervisor:
+    def __init__(
+        self,
+        slots: list[GroupSlot],
+        registry: CollectorRegistry,
+        on_down: Callable[[str, str], None] = lambda name, reason: None,
+        interval_s: float = 0.5,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        stable_s: float = 60.0,
+        kill_grace_s: float = 3.0,
+    ) -> None:
+        self.slots = slots
+        self.on_down = on_down
+        self.interval_s = interval_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.stable_s = stable_s
+        self.kill_grace_s = kill_grace_s
+        self.restarts = Counter(
+            "pipeserve_group_restarts", "whole-group restarts by the supervisor", ["group"], registry=registry
+        )
+        self.group_ready = Gauge(
+            "pipeserve_group_ready", "1 when every stage of the group is ready", ["group"], registry=registry
+        )
+        for slot in slots:
+            self.restarts.labels(slot.name)
+            self.group_ready.labels(slot.name).set(0)
+        self.all_ready = asyncio.Event()  # every group was ready at least once
+        self._stopping = False
+        self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S)
+
+    async def start(self) -> None:
+        for slot in self.slots:
+            slot.start()
+            log.info("%s: starting %d stages (gRPC %s)", slot.name, slot.config.stages, slot.grpc_target)
+
+    async def run(self) -> None:
+        while not self._stopping:
+            await asyncio.gather(*(self._watch(slot) for slot in self.slots))
+            if all(s.state is SlotState.READY for s in self.slots):
+                self.all_ready.set()
+            await asyncio.sleep(self.interval_s)
+
+    async def _watch(self, slot: GroupSlot) -> None:
+        now = time.monotonic()
+        if slot.state is SlotState.BACKOFF:
+            if now >= slot.restart_at and not self._stopping:
+                slot.start()
+                log.info("%s: restarting (restart %d)", slot.name, slot.restarts)
+            return
+        if slot.state not in (SlotState.STARTING, SlotState.READY):
+            return
+        if exited := slot.exited():
+            rank, code = next(iter(sorted(exited.items())))
+            await self._fail(slot, f"stage {rank} exited with status {code}")
+            return
+        cause = await self._probe(slot)
+        if cause:
+            await self._fail(slot, cause)
+            return
+        if slot.state is SlotState.STARTING:
+            if await self._all_ready(slot):
+                slot.state = SlotState.READY
+                slot.ready_at = now
+                self.group_ready.labels(slot.name).set(1)
+                log.info("%s: ready after %.1fs", slot.name, now - slot.started_at)
+            elif now - slot.started_at > slot.config.connect_timeout_s + 30:
+                await self._fail(slot, f"not ready {now - slot.started_at:.0f}s after start")
+        elif slot.ready_at is not None and now - slot.ready_at > self.stable_s:
+            slot.failures_in_a_row = 0
+
+    async def _probe(self, slot: GroupSlot) -> str | None:
+        """A wedged stage, or one that stopped answering; None when every stage is alive."""
+        limit = slot.serve.wedge_timeout_s + slot.serve.wedge_grace_s + 5.0
+        for rank in range(slot.config.stages):
+            try:
+                r = await self._client.get(slot.health_url(rank) + "/livez")
+            except httpx.HTTPError:
+                if slot.state is SlotState.STARTING and time.monotonic() - slot.started_at < 30:
+                    continue  # the side port opens a moment after the process starts
+                slot.probe_failures[rank] = slot.probe_failures.get(rank, 0) + 1
+                if slot.probe_failures[rank] * (self.interval_s + PROBE_TIMEOUT_S) > limit:
+                    return f"stage {rank} has not answered /livez for {limit:.0f}s"
+                continue
+            slot.probe_failures[rank] = 0
+            if r.status_code == 503:
+                return f"stage {rank} is wedged: {r.json().get('report', '')[:300]}"
+        return None
+
+    async def _all_ready(self, slot: GroupSlot) -> bool:
+        for rank in range(slot.config.stages):
+            try:
+                r = await self._client.get(slot.health_url(rank) + "/readyz")
+            except httpx.HTTPError:
+                return False
+            if r.status_code != 200:
+                return False
+        return True
+
+    async def _fail(self, slot: GroupSlot, cause: str) -> None:
+        if self._stopping:
+            return
+        slot.last_failure = cause
+        self.on_down(slot.name, cause)
+        self.group_ready.labels(slot.name).set(0)
+        codes = await asyncio.to_thread(slot.kill, self.kill_grace_s)
+        slot.restarts += 1
+        self.restarts.labels(slot.name).inc()
+        delay = min(self.backoff_max_s, self.backoff_s * 2**slot.failures_in_a_row)
+        slot.failures_in_a_row += 1
+        slot.state = SlotState.BACKOFF
+        slot.restart_at = time.monotonic() + delay
+        log.error(
+            "GROUP RESTART: %s: %s; stopped stages %s; restarting in %.1fs (restart %d)",
+            slot.name,
+            cause,
+            codes,
+            delay,
+            slot.restarts,
+        )
+
+    async def shutdown(self, drain_s: float) -> None:
+        """Drain and stop every group (stage 0 first, the ring's Stop ends the rest)."""
+        self._stopping = True
+        codes = await asyncio.gather(*(asyncio.to_thread(s.shutdown, drain_s) for s in self.slots))
+        for slot, c in zip(self.slots, codes, strict=True):
+            log.info("%s: stopped, exit statuses %s", slot.name, c)
+        await self._client.aclose()

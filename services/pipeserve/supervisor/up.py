@@ -1,0 +1,180 @@
+"""`pipeserve up`: R pipeline groups of S stage processes, the router, and their supervisor.
+
+One process runs the router (FastAPI on uvicorn) and the supervisor on one
+asyncio loop; every stage is a child process (`pipeserve stage`) that exits
+on its own if this process dies (PIPESERVE_PARENT_PID), so no stage outlives
+it. Start-up prints one line, `pipeserve: serving <model> at http://H:P/v1`,
+once the router listens and every group is ready.
+
+SIGTERM / SIGINT drain: the router stops accepting connections and lets
+in-flight responses finish (drain_timeout_s), every stage 0 drains its
+requests and shuts its ring down cleanly, and stragglers are killed after a
+bounded wait. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+
+from pipeserve.config import (
+    POLICIES,
+    EngineConfig,
+    RouterConfig,
+    StageServeConfig,
+    add_config_args,
+    config_from_args,
+)
+from pipeserve.errors import ConfigError
+from pipeserve.supervisor.group import GroupSlot
+
+log = logging.getLogger("pipeserve.up")
+
+_UP_ENGINE_SKIP = {"model", "stages", "log_dir"}
+DEMO_MODEL_NAME = "pipeserve-demo"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `pipeserve up` decides when to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def add_up_parser(sub: argparse._SubParsersAction) -> None:
+    u = sub.add_parser("up", help="serve: R pipeline groups of S stages behind the OpenAI-compatible router")
+    u.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"), help="default: the demo model")
+    u.add_argument("--served-model-name", default=None)
+    u.add_argument("--stages", type=int, default=1)
+    u.add_argument("--replicas", type=int, default=1)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--policy", choices=POLICIES, default="round_robin")
+    u.add_argument("--wedge-timeout", type=float, default=StageServeConfig.wedge_timeout_s, metavar="SEC")
+    u.add_argument("--wedge-grace", type=float, default=StageServeConfig.wedge_grace_s, metavar="SEC")
+    u.add_argument("--api-key", default=os.environ.get("PIPESERVE_API_KEY"))
+    u.add_argument("--max-concurrency", type=int, default=RouterConfig.max_concurrency)
+    u.add_argument("--drain-timeout", type=float, default=StageServeConfig.drain_timeout_s, metavar="SEC")
+    u.add_argument("--log-dir", default=None, help="stage logs go to DIR/group-G-stage-K.log")
+    add_config_args(u, EngineConfig, skip=_UP_ENGINE_SKIP)
+    u.set_defaults(func=run_up)
+
+
+def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeConfig, RouterConfig]:
+    from pipeserve.cli import default_demo_model
+
+    if args.replicas < 1:
+        raise ConfigError(f"replicas: must be >= 1 (got {args.replicas})")
+    model = args.model or str(default_demo_model())
+    name = args.served_model_name or (args.model or DEMO_MODEL_NAME)
+    engine = config_from_args(EngineConfig, args, skip=_UP_ENGINE_SKIP, model=model, stages=args.stages)
+    engine = dataclasses.replace(engine, log_dir=args.log_dir)
+    procs = args.stages * args.replicas
+    changes: dict = {}
+    if engine.num_threads is None:  # the machine is shared by every stage of every group
+        changes["num_threads"] = max(1, (os.cpu_count() or 1) // procs)
+    if engine.num_kv_blocks is None and engine.kv_cache_gb is None:
+        changes["kv_cache_memory_fraction"] = engine.kv_cache_memory_fraction / procs
+    engine = dataclasses.replace(engine, **changes)
+    serve = StageServeConfig(
+        host="127.0.0.1",  # stages are this process's children: their ports stay local
+        wedge_timeout_s=args.wedge_timeout,
+        wedge_grace_s=args.wedge_grace,
+        drain_timeout_s=args.drain_timeout,
+        served_model_name=name,
+    )
+    router = RouterConfig(
+        model=model,
+        served_model_name=name,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        api_key=args.api_key or None,
+        max_concurrency=args.max_concurrency,
+    )
+    return engine, serve, router
+
+
+async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: RouterConfig, replicas: int) -> int:
+    from pipeserve.router.app import build_app
+    from pipeserve.router.replicas import ReplicaSet
+    from pipeserve.supervisor.supervisor import Supervisor
+
+    registry = CollectorRegistry()
+    slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(replicas)]
+    targets = {s.name: s.grpc_target for s in slots}
+    replica_set = ReplicaSet(router, targets, registry)
+    supervisor = Supervisor(slots, registry, on_down=replica_set.set_down)
+    app = build_app(router, replica_set, registry)
+
+    @app.get("/groups", include_in_schema=False)
+    def groups() -> JSONResponse:
+        """The supervisor's view of every group (state, restarts, pids, endpoints) with the router's."""
+        routed = {r["name"]: r for r in replica_set.snapshot()}
+        return JSONResponse([{**s.snapshot(), "router": routed.get(s.name)} for s in slots])
+
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=router.host,
+            port=router.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(serve.drain_timeout_s),
+        )
+    )
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        server.should_exit = True
+        if signals > 1:
+            server.force_exit = True
+        log.info("shutting down (signal %d)", signals)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    await supervisor.start()
+    await replica_set.start()
+    watch = asyncio.create_task(supervisor.run())
+    http = asyncio.create_task(server.serve())
+
+    async def announce() -> None:
+        await supervisor.all_ready.wait()
+        while not server.started:
+            await asyncio.sleep(0.05)
+        print(f"pipeserve: serving {router.model_name} at http://{router.host}:{router.port}/v1", flush=True)
+
+    ready = asyncio.create_task(announce())
+    await http  # returns after a signal, once in-flight HTTP responses are done (or the drain expired)
+    ready.cancel()
+    watch.cancel()
+    await replica_set.close()
+    await supervisor.shutdown(0.0 if signals > 1 else serve.drain_timeout_s)
+    return 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    engine, serve, router = build_configs(args)
+    return asyncio.run(serve_up(engine, serve, router, args.replicas))
+
+
+if __name__ == "__main__":
+    from pipeserve.cli import main
+
+    sys.exit(main(["up", *sys.argv[1:]]))

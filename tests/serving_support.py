@@ -1,0 +1,151 @@
+"""Helpers for serving tests: live stage groups (GroupSlot, the supervisor's own launcher),
+gRPC calls to stage 0, side-port reads, and `pipeserve up` processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+
+from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.rpc import generation_pb2_grpc as pb_grpc
+from pipeserve.supervisor.group import GroupSlot, free_port
+
+
+def wait_http(
+    url: str, timeout_s: float, status: int = 200, alive: Callable[[], object] = lambda: None
+) -> httpx.Response:
+    """Poll url until it answers `status`; fails the test at the deadline or when `alive()`
+    returns something (e.g. the exit statuses of processes that should be serving)."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        if dead := alive():
+            raise AssertionError(f"waiting for {url}: {dead}")
+        try:
+            r = httpx.get(url, timeout=1.0)
+            if r.status_code == status:
+                return r
+            last = (r.status_code, r.text[:200])
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer {status} within {timeout_s}s (last: {last})")
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample from Prometheus text, matched by name and labels."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def stub(target: str) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(target))
+
+
+def greedy_request(rid: str, prompt: list[int], max_tokens: int, **kw) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1, **kw)
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+
+
+def generate(
+    s: pb_grpc.GenerationStub, req: pb.GenerateRequest, timeout_s: float = 60
+) -> tuple[list[int], str]:
+    tokens: list[int] = []
+    finish = ""
+    for msg in s.Generate(req, timeout=timeout_s):
+        tokens += msg.token_ids
+        finish = msg.finish_reason or finish
+    return tokens, finish
+
+
+@contextlib.contextmanager
+def live_group(model_dir: Path, stages: int, log_dir: Path, **serve: object) -> Iterator[GroupSlot]:
+    """A group of `stages` live stage processes, ready (every /readyz 200); stopped afterwards."""
+    config = EngineConfig(
+        model=str(model_dir), stages=stages, num_threads=1, num_kv_blocks=256, log_dir=str(log_dir)
+    )
+    slot = GroupSlot("group-t", config, StageServeConfig(**serve))  # type: ignore[arg-type]
+    slot.start()
+    try:
+        for rank in range(stages):
+            wait_http(slot.health_url(rank) + "/readyz", 120, alive=lambda: slot.exited())
+        yield slot
+    finally:
+        slot.kill(grace_s=5.0)
+
+
+class UpProcess:
+    """`pipeserve up` as a child process, on free ports; `stop()` signals it and waits."""
+
+    def __init__(self, *args: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / "up.log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        argv = [
+            sys.executable,
+            "-m",
+            "pipeserve.cli",
+            "up",
+            "--port",
+            str(self.port),
+            "--log-dir",
+            str(log_dir),
+        ]
+        self.proc = subprocess.Popen(
+            [*argv, *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+            text=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 180) -> str:
+        """The one line `pipeserve up` prints when every group is ready."""
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        buf = ""
+        while time.monotonic() < deadline:
+            chunk = self.proc.stdout.readline()
+            buf += chunk or ""
+            if "serving" in buf and buf.endswith("\n"):
+                return buf.strip()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"pipeserve up not ready (exit {self.proc.poll()}): {buf}\n{self.log()[-3000:]}")
+
+    def groups(self) -> list[dict]:
+        return httpx.get(self.url + "/groups", timeout=5).json()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+        finally:
+            self._log.close()
