@@ -1,0 +1,309 @@
+"""The router's request handling: auth, admission, tokenization, responses, health.
+
+Order of checks on a generation request (first failure answers):
+  401 bad/missing API key -> 400 malformed body or invalid field -> 404 unknown
+  model -> 429 `max_concurrency` requests already in flight here -> 503 no
+  ready group -> 400 prompt empty / too long / out of vocabulary -> upstream.
+A request holds its concurrency slot until its response has ended: blocking
+ones until the body is built, streaming ones until the last SSE event or the
+client's disconnect (SSEResponse's cleanup, which runs even when the stream
+is cancelled before it started).
+
+Streaming answers with SSE only once every choice has its first token, so a
+request that fails before then (after the retry rule) gets a plain HTTP
+error; after that a failure is an error event followed by `[DONE]`.
+A client that disconnects cancels its upstream calls, streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+from starlette.types import Receive, Scope, Send
+
+from pipeserve.config import RouterConfig
+from pipeserve.router import errors
+from pipeserve.router.errors import APIError
+from pipeserve.router.metrics import RouterMetrics
+from pipeserve.router.protocol import GenParams, check_prompt, parse_chat, parse_completion
+from pipeserve.router.replicas import ReplicaSet
+from pipeserve.router.responses import SSE_DONE, Formatter, sse
+from pipeserve.router.serving import Choice, Generation
+from pipeserve.router.tokenizer import TokenizerAssets
+from pipeserve.router.upstream import Upstream
+
+log = logging.getLogger("pipeserve.router")
+T = TypeVar("T")
+PROBE_TEXT = "Hello"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (and `work` cancelled) if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watch.cancel()
+        task.cancel()
+
+
+class Slot:
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.handed_off = False  # a streaming response owns it now
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.router.in_flight -= 1
+            self.router.metrics.in_flight.set(self.router.in_flight)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, replicas: ReplicaSet, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.registry = registry
+        self.tok = TokenizerAssets.load(config.model)
+        self.metrics = RouterMetrics(registry)
+        self.upstream = Upstream(replicas, config, self.metrics)
+        self.in_flight = 0
+        self.created = int(time.time())
+        self._probe_lock = asyncio.Lock()
+
+    # --- admission -----------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.config.api_key):
+            raise errors.unauthorized()
+
+    async def read_json(self, request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise errors.invalid(None, f"the request body is not valid JSON: {e}") from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise errors.model_not_found(model)
+
+    def acquire_slot(self) -> Slot:
+        if self.in_flight >= self.config.max_concurrency:
+            raise errors.too_many_requests(
+                f"the router has {self.in_flight} requests in flight "
+                f"(max_concurrency {self.config.max_concurrency})"
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        return Slot(self)
+
+    def limits(self) -> tuple[int, int]:
+        limits = self.replicas.limits()
+        if not self.replicas.ready_groups() or limits is None:
+            raise errors.unavailable("no pipeline group is ready")
+        return limits
+
+    # --- generation ----------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_auth(request)
+        req = parse_completion(await self.read_json(request))
+        self.check_model(req.model)
+        slot = self.acquire_slot()
+        try:
+            max_len, vocab = self.limits()
+            ids = [self.tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+            for x in ids:
+                check_prompt(x, "prompt", max_len, vocab)
+            fmt = Formatter(
+                False,
+                f"cmpl-{uuid.uuid4().hex}",
+                self.config.model_name,
+                self.tok,
+                req.params.logprobs is not None,
+            )
+            return await self._generate(
+                request, fmt, ids, req.params, req.stream, req.include_usage, slot, arrival
+            )
+        finally:
+            if not slot.handed_off:
+                slot.release()
+
+    async def chat(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.check_auth(request)
+        req = parse_chat(await self.read_json(request))
+        self.check_model(req.model)
+        slot = self.acquire_slot()
+        try:
+            max_len, vocab = self.limits()
+            ids = self.tok.encode(self.tok.render_chat(req.messages))
+            check_prompt(ids, "messages", max_len, vocab)
+            fmt = Formatter(
+                True,
+                f"chatcmpl-{uuid.uuid4().hex}",
+                self.config.model_name,
+                self.tok,
+                req.params.logprobs is not None,
+            )
+            return await self._generate(
+                request, fmt, [ids], req.params, req.stream, req.include_usage, slot, arrival
+            )
+        finally:
+            if not slot.handed_off:
+                slot.release()
+
+    async def _generate(
+        self,
+        request: Request,
+        fmt: Formatter,
+        prompts: list[list[int]],
+        params: GenParams,
+        stream: bool,
+        include_usage: bool,
+        slot: Slot,
+        arrival: float,
+    ) -> Response:
+        max_len, vocab = self.limits()
+        choices = [
+            Choice(
+                self.upstream,
+                self.tok,
+                i,
+                ids,
+                params.to_proto(len(ids), max_len, vocab),
+                params.stop,
+                f"{fmt.id}-{i}",
+                arrival,
+            )
+            for i, ids in enumerate(prompts)
+        ]
+        gen = Generation(choices)
+        if not stream:
+            try:
+                results = await until_disconnect(request, self._run(gen))
+            finally:
+                gen.close()
+            return JSONResponse(fmt.response(results))
+        try:
+            await until_disconnect(request, gen.open())
+        except BaseException:
+            gen.close()
+            raise
+        slot.handed_off = True
+
+        def cleanup() -> None:
+            gen.close()
+            slot.release()
+
+        return SSEResponse(self._sse(gen, fmt, include_usage), cleanup)
+
+    @staticmethod
+    async def _run(gen: Generation) -> list:
+        await gen.open()
+        return await gen.results()
+
+    async def _sse(self, gen: Generation, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            for c in gen.choices:
+                opening = fmt.role_chunk(c.index)
+                if opening is not None:
+                    yield sse(opening)
+            async for c, ev in gen.events():
+                if ev.text or ev.tokens or ev.finish_reason is not None:
+                    yield sse(fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason))
+            if include_usage:
+                yield sse(fmt.usage_chunk([c.result for c in gen.choices]))
+        except APIError as e:
+            yield errors.error_event(e)
+        except Exception:  # a router bug: end the stream in the error shape, loudly in the log
+            log.exception("stream %s failed", fmt.id)
+            yield errors.error_event(errors.internal("internal error while streaming"))
+        yield SSE_DONE
+
+    # --- the rest of the API -------------------------------------------------
+    def models(self, request: Request) -> dict:
+        self.check_auth(request)
+        limits = self.replicas.limits()
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pipeserve",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": limits[0] if limits else None,
+        }
+        return {"object": "list", "data": [card]}
+
+    def health(self) -> Response:
+        ready = self.replicas.ready_groups()
+        if not ready:
+            raise errors.unavailable("no pipeline group is ready")
+        return JSONResponse({"status": "ok", "ready_groups": len(ready), "groups": len(self.replicas.groups)})
+
+    async def health_generate(self) -> Response:
+        async with self._probe_lock:  # concurrent checks share one probe: the next sees its tokens as recent
+            groups = self.replicas.ready_groups()
+            if not groups:
+                raise errors.unavailable("no pipeline group is ready")
+            now = time.monotonic()
+            recent = self.config.health_generate_recent_s
+            for g in groups:
+                age = self.replicas.seconds_since_token(g, now)
+                if 0 <= age <= recent:
+                    return JSONResponse({"status": "ok", "group": g.name, "probe": False})
+            idle = [g for g in groups if g.idle]
+            if not idle:  # never probe a busy group; by the polled figures none has produced a token lately
+                self.metrics.probes.labels("busy_silent").inc()
+                raise errors.unavailable(f"every ready group is busy and none produced a token in {recent}s")
+            g = idle[0]
+            why = await self.upstream.probe(g.name, self.tok.encode(PROBE_TEXT) or [0])
+            self.metrics.probes.labels("ok" if why is None else "failed").inc()
+            if why is not None:
+                log.warning("health probe of group %s failed: %s", g.name, why)
+                raise errors.unavailable(f"probe of group {g.name} failed: {why}")
+            return JSONResponse({"status": "ok", "group": g.name, "probe": True})

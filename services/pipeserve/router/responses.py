@@ -1,0 +1,152 @@
+"""OpenAI response bodies and stream chunks, for /v1/completions and /v1/chat/completions.
+
+`Formatter` builds every JSON object one request sends, so a streamed and a
+blocking response of the same request carry the same id, `created` and model:
+* completions: `object: "text_completion"` for both responses and chunks;
+  logprobs in the legacy shape {tokens, token_logprobs, top_logprobs (dicts
+  holding the top k plus the sampled token), text_offset}.
+* chat: `chat.completion` / `chat.completion.chunk`; the first chunk of each
+  choice has `delta.role = "assistant"`; logprobs as {content: [{token,
+  logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+* the usage chunk (stream_options.include_usage) has `choices: []`.
+Logprobs that are not finite are sent as -9999.0 (JSON has no -inf).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+from pipeserve.router.tokenizer import TokenizerAssets
+
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class TokenLP:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    offset: int  # characters of the choice's text before this token
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    tokens: list[TokenLP] = field(default_factory=list)  # filled only when logprobs were asked
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def usage(results: list[ChoiceResult]) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
+    }
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class Formatter:
+    def __init__(self, chat: bool, request_id: str, model: str, tok: TokenizerAssets, logprobs: bool) -> None:
+        self.chat = chat
+        self.id = request_id
+        self.model = model
+        self.tok = tok
+        self.logprobs = logprobs
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    # --- logprobs --------------------------------------------------------------
+    def _completion_logprobs(self, tokens: list[TokenLP]) -> dict:
+        text = self.tok.token_text
+        tops = []
+        for t in tokens:
+            d = {text(i): _lp(v) for i, v in t.top}
+            d.setdefault(text(t.token_id), _lp(t.logprob))
+            tops.append(d)
+        return {
+            "tokens": [text(t.token_id) for t in tokens],
+            "token_logprobs": [_lp(t.logprob) for t in tokens],
+            "top_logprobs": tops,
+            "text_offset": [t.offset for t in tokens],
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {
+            "token": self.tok.token_text(token_id),
+            "logprob": _lp(logprob),
+            "bytes": list(self.tok.token_bytes(token_id)),
+        }
+
+    def _chat_logprobs(self, tokens: list[TokenLP]) -> dict:
+        content = []
+        for t in tokens:
+            entry = self._entry(t.token_id, t.logprob)
+            entry["top_logprobs"] = [self._entry(i, v) for i, v in t.top]
+            content.append(entry)
+        return {"content": content}
+
+    def _logprobs(self, tokens: list[TokenLP]) -> dict | None:
+        if not self.logprobs:
+            return None
+        return self._chat_logprobs(tokens) if self.chat else self._completion_logprobs(tokens)
+
+    # --- streaming -------------------------------------------------------------
+    def role_chunk(self, index: int) -> dict | None:
+        """Chat only: the chunk that opens a choice."""
+        if not self.chat:
+            return None
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": None}])
+
+    def chunk(self, index: int, text: str, tokens: list[TokenLP], finish_reason: str | None) -> dict:
+        if self.chat:
+            delta = {"content": text} if text or finish_reason is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens)}
+            return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish_reason}])
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(tokens)}
+        return self._envelope("text_completion", [{**choice, "finish_reason": finish_reason}])
+
+    def usage_chunk(self, results: list[ChoiceResult]) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage(results)}
+
+    # --- blocking --------------------------------------------------------------
+    def response(self, results: list[ChoiceResult]) -> dict:
+        choices = []
+        for r in sorted(results, key=lambda r: r.index):
+            if self.chat:
+                message = {"role": "assistant", "content": r.text}
+                choice = {"index": r.index, "message": message, "logprobs": self._logprobs(r.tokens)}
+            else:
+                choice = {"index": r.index, "text": r.text, "logprobs": self._logprobs(r.tokens)}
+            choices.append({**choice, "finish_reason": r.finish_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, choices), "usage": usage(results)}

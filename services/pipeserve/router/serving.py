@@ -1,0 +1,195 @@
+"""One generation request: its choices, their upstream streams, and how they end.
+
+A `Choice` is one prompt: an upstream Generate stream (opened with the retry
+rule), fed token by token through a TextStream (detokenizer + stop strings).
+A stop string ends the choice at the token that completed it and cancels the
+upstream call at once (stage 0 aborts the request and frees its blocks).
+
+A `Generation` is the request: its choices run concurrently. `open()` returns
+once every choice has its first message, so any failure before the first
+token (after the retry rule) is still an ordinary HTTP error. `events()`
+merges the choices' events; `results()` runs them to the end. `close()` is
+synchronous and idempotent: it cancels every task and upstream call, so it is
+safe from a `finally` running under cancellation (client disconnect).
+
+Invariant: every upstream call a Generation opened is cancelled or finished
+once `close()` has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pipeserve.router import errors
+from pipeserve.router.detokenize import TextStream
+from pipeserve.router.errors import APIError
+from pipeserve.router.responses import ChoiceResult, TokenLP
+from pipeserve.router.tokenizer import TokenizerAssets
+from pipeserve.router.upstream import GenerateStream, Upstream, UpstreamFailure
+from pipeserve.rpc import generation_pb2 as pb
+
+log = logging.getLogger("pipeserve.router")
+
+
+@dataclass
+class ChoiceEvent:
+    text: str
+    tokens: list[TokenLP]
+    finish_reason: str | None
+
+
+class Choice:
+    def __init__(
+        self,
+        upstream: Upstream,
+        tok: TokenizerAssets,
+        index: int,
+        prompt_ids: list[int],
+        sampling: pb.SamplingParams,
+        stops: Sequence[str],
+        request_id: str,
+        arrival: float,
+    ) -> None:
+        self.upstream = upstream
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.request_id = request_id
+        self.arrival = arrival
+        self.keep_logprobs = sampling.HasField("logprobs")
+        self.text = TextStream(tok.decode, stops)
+        self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids))
+        self._stream: GenerateStream | None = None
+        self._first: pb.GenerateResponse | None = None
+        self._last_at: float | None = None
+
+    async def open(self) -> None:
+        self._stream, self._first = await self.upstream.open(self.prompt_ids, self.sampling, self.request_id)
+        m = self.upstream.metrics
+        m.ttft.observe(time.monotonic() - self.arrival)
+        m.prompt_tokens.inc(len(self.prompt_ids))
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """The choice's events up to the one with finish_reason; raises APIError if the stream fails."""
+        msg, self._first = self._first, None
+        try:
+            while msg is not None:
+                event = self._consume(msg)
+                yield event
+                if event.finish_reason is not None or self._stream is None:
+                    return
+                try:
+                    msg = await self._stream.next()
+                except UpstreamFailure as f:
+                    raise self.upstream.failed_mid_stream(f, self.request_id) from None
+        finally:
+            self.close()
+
+    def _consume(self, msg: pb.GenerateResponse) -> ChoiceEvent:
+        now = time.monotonic()
+        m = self.upstream.metrics
+        n = len(msg.token_ids)
+        if self._last_at is not None and n:
+            gap = (now - self._last_at) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+        self._last_at = now
+        self.result.cached_tokens = max(self.result.cached_tokens, msg.cached_tokens)
+        parts: list[str] = []
+        tokens: list[TokenLP] = []
+        finish: str | None = None
+        used = 0
+        for k, tid in enumerate(msg.token_ids):
+            offset = len(self.text.text)
+            parts.append(self.text.push(tid))
+            used += 1
+            if self.keep_logprobs and k < len(msg.logprobs):
+                lp = msg.logprobs[k]
+                tokens.append(TokenLP(tid, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], offset))
+            if self.text.stopped:
+                finish = "stop"
+                break
+        if finish is None and msg.finish_reason:
+            parts.append(self.text.finish())
+            finish = msg.finish_reason
+        m.generation_tokens.inc(used)
+        r = self.result
+        r.completion_tokens += used
+        if self.keep_logprobs:
+            r.tokens.extend(tokens)
+        if finish is not None:
+            r.text, r.finish_reason = self.text.text, finish
+            m.e2e.observe(now - self.arrival)
+            self.close()  # a stop string: cancel now; stage 0 aborts the request and frees its blocks
+        return ChoiceEvent("".join(parts), tokens, finish)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+
+
+_DONE = object()
+
+
+class Generation:
+    def __init__(self, choices: list[Choice]) -> None:
+        self.choices = choices
+        self._tasks: list[asyncio.Task] = []
+
+    async def open(self) -> None:
+        if len(self.choices) == 1:
+            await self.choices[0].open()
+            return
+        tasks = [asyncio.create_task(c.open()) for c in self.choices]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # one choice failed (or the client left): none of them goes on
+            for t in tasks:
+                t.cancel()
+            self.close()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[Choice, ChoiceEvent]]:
+        if len(self.choices) == 1:
+            c = self.choices[0]
+            async for event in c.events():
+                yield c, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for event in c.events():
+                    queue.put_nowait((c, event))
+                queue.put_nowait((c, _DONE))
+            except APIError as e:
+                queue.put_nowait((c, e))
+            except Exception:  # a router bug must end this stream with an error, not hang it
+                log.exception("choice %d of %s failed", c.index, c.request_id)
+                queue.put_nowait((c, errors.internal("internal error while streaming")))
+
+        self._tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        left = len(self.choices)
+        while left:
+            c, item = await queue.get()
+            if item is _DONE:
+                left -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield c, item
+
+    async def results(self) -> list[ChoiceResult]:
+        async for _ in self.events():
+            pass
+        return [c.result for c in self.choices]
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for c in self.choices:
+            c.close()

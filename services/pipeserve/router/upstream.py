@@ -1,0 +1,211 @@
+"""Generate calls to stage 0: deadlines, the retry rule, error mapping, probes.
+
+* Every read of a Generate stream has a deadline: `first_token_timeout_s` for
+  the first message, `stream_idle_timeout_s` for each later one (asyncio.wait_for
+  around `read()`). On expiry the call is cancelled and, because a stalled group
+  may be slow to notice, an Abort by request id follows in the background
+  (`rpc_timeout_s` deadline).
+* Retry rule: a call that fails before its first message with UNAVAILABLE,
+  DEADLINE_EXCEEDED (our deadline included), RESOURCE_EXHAUSTED or a broken
+  connection is retried once, on another routable group. INVALID_ARGUMENT and
+  other codes are never retried. Once a message has arrived nothing is retried:
+  the caller turns the failure into an error event or a 5xx.
+* gRPC cancellation aborts the request on stage 0 (its KV blocks are freed), so
+  `GenerateStream.close()` — synchronous, safe in a `finally` that runs under
+  cancellation — is all a caller needs when it stops early (stop string, client
+  gone).
+* Error mapping: INVALID_ARGUMENT ("param: message") -> 400 with that param;
+  RESOURCE_EXHAUSTED -> 429; UNAVAILABLE / DEADLINE_EXCEEDED -> 503; others 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+
+import grpc
+
+from pipeserve.config import RouterConfig
+from pipeserve.router import errors
+from pipeserve.router.errors import APIError
+from pipeserve.router.metrics import RouterMetrics
+from pipeserve.router.replicas import ReplicaSet
+from pipeserve.rpc import generation_pb2 as pb
+
+log = logging.getLogger("pipeserve.router")
+
+Code = grpc.StatusCode
+RETRYABLE = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED})
+
+
+class UpstreamFailure(Exception):
+    def __init__(self, group: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"group {group}: {code.name}: {details}")
+        self.group = group
+        self.code = code
+        self.details = details
+
+
+def to_api_error(f: UpstreamFailure) -> APIError:
+    if f.code == Code.INVALID_ARGUMENT:
+        param, sep, message = f.details.partition(": ")
+        return errors.invalid(param if sep else None, message if sep else f.details)
+    if f.code == Code.RESOURCE_EXHAUSTED:
+        return errors.too_many_requests(f"every ready group is at capacity ({f.details})")
+    if f.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+        return errors.unavailable(f"upstream group {f.group} failed: {f.code.name}: {f.details}")
+    return errors.internal(f"upstream group {f.group} failed: {f.code.name}: {f.details}")
+
+
+class GenerateStream:
+    """One Generate call on one group; `open()` returns its first message."""
+
+    def __init__(self, upstream: Upstream, group: str, request: pb.GenerateRequest) -> None:
+        self.upstream = upstream
+        self.group = group
+        self.request = request
+        self.finished = False  # the last message (finish_reason set) has been read
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._acquired = False
+
+    async def open(self) -> pb.GenerateResponse:
+        replicas = self.upstream.replicas
+        replicas.acquire(self.group)
+        self._acquired = True
+        self._call = replicas.stub(self.group).Generate(self.request)
+        return await self._read(self.upstream.config.first_token_timeout_s, "first")
+
+    async def next(self) -> pb.GenerateResponse | None:
+        """The next message, or None once the last one has been read."""
+        if self.finished:
+            return None
+        return await self._read(self.upstream.config.stream_idle_timeout_s, "next")
+
+    async def _read(self, timeout: float, which: str) -> pb.GenerateResponse:
+        call = self._call
+        if call is None:
+            raise RuntimeError("read before open")
+        try:
+            msg = await asyncio.wait_for(call.read(), timeout)
+        except TimeoutError:
+            self.close()
+            self.upstream.abort_later(self.group, self.request.request_id)
+            raise UpstreamFailure(
+                self.group, Code.DEADLINE_EXCEEDED, f"no {which} message within {timeout}s"
+            ) from None
+        except grpc.aio.AioRpcError as e:
+            self.close()
+            raise UpstreamFailure(self.group, e.code(), e.details() or "") from None
+        if msg is grpc.aio.EOF:
+            self.close()
+            raise UpstreamFailure(self.group, Code.UNAVAILABLE, "stream ended without a finish_reason")
+        if msg.finish_reason:
+            self.finished = True
+            self.close()
+            if msg.finish_reason == "abort":  # not ours: we cancel, we never Abort a live stream
+                raise UpstreamFailure(self.group, Code.UNAVAILABLE, "the group aborted the request")
+        return msg
+
+    def close(self) -> None:
+        """Cancel the call if it is still running (stage 0 aborts the request); idempotent."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        if self._acquired:
+            self._acquired = False
+            self.upstream.replicas.release(self.group)
+
+
+class Upstream:
+    def __init__(self, replicas: ReplicaSet, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.replicas = replicas
+        self.config = config
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    async def open(
+        self, prompt_ids: Sequence[int], sampling: pb.SamplingParams, request_id: str
+    ) -> tuple[GenerateStream, pb.GenerateResponse]:
+        """A stream that has produced its first message, after at most one retry on another group."""
+        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
+        tried: list[str] = []
+        last: UpstreamFailure | None = None
+        for attempt in range(2):
+            group = self.replicas.pick(prompt_ids, exclude=tried)
+            if group is None:
+                break
+            stream = GenerateStream(self, group.name, request)
+            try:
+                first = await stream.open()
+            except UpstreamFailure as f:  # the stream closed itself
+                last = f
+                self._failed(f, request_id)
+                if f.code not in RETRYABLE:
+                    raise to_api_error(f) from None
+                tried.append(group.name)
+                if attempt == 0 and self.replicas.ready_groups(exclude=tried):
+                    self.metrics.retries.inc()
+                    log.warning(
+                        "request %s: %s before its first token; retrying on another group", request_id, f
+                    )
+            except BaseException:  # cancelled (client gone) while waiting for the first message
+                stream.close()
+                raise
+            else:
+                return stream, first
+        if last is None:
+            raise errors.unavailable("no pipeline group is ready")
+        raise to_api_error(last)
+
+    def failed_mid_stream(self, f: UpstreamFailure, request_id: str) -> APIError:
+        self._failed(f, request_id)
+        return to_api_error(f)
+
+    def _failed(self, f: UpstreamFailure, request_id: str) -> None:
+        self.metrics.upstream_errors.labels(f.group, f.code.name).inc()
+        if f.code == Code.UNAVAILABLE:
+            # Connection refused or the group said it is not serving: stop picking it until a poll says ready.
+            self.replicas.mark_unready(f.group, f"Generate failed: {f.details}")
+        if f.code != Code.INVALID_ARGUMENT:
+            log.warning("request %s: upstream error: %s", request_id, f)
+
+    async def probe(self, group: str, prompt_ids: Sequence[int]) -> str | None:
+        """Send a 1-token greedy request to `group`; None if it produced a token, else why not."""
+        request = pb.GenerateRequest(
+            request_id=f"probe-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt_ids,
+            sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True),
+        )
+        self.replicas.acquire(group)
+        call = self.replicas.stub(group).Generate(request, timeout=self.config.probe_timeout_s)
+        try:
+            async for msg in call:
+                if msg.token_ids:
+                    return None
+            return "the probe finished without a token"
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        finally:
+            call.cancel()
+            self.replicas.release(group)
+
+    def abort_later(self, group: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(group, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, group: str, request_id: str) -> None:
+        try:
+            await self.replicas.stub(group).Abort(
+                pb.AbortRequest(request_id=request_id), timeout=self.config.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("Abort of %s on group %s failed: %s", request_id, group, e.code().name)
+        except KeyError:  # the replica set was closed meanwhile
+            pass
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
