@@ -1,0 +1,108 @@
+"""The real `openai` client against `pipeserve up` (a 2-stage group): completions and chat,
+blocking and streaming, greedy output equal to HF transformers, 32 concurrent requests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from serving_support import UpProcess
+from transformers import AutoTokenizer
+
+from conftest import hf_greedy, random_prompts
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    log_dir = tmp_path_factory.mktemp("up")
+    server = UpProcess("--model", str(llama_dir), "--stages", "2", "--num-kv-blocks", "1024", log_dir=log_dir)
+    try:
+        line = server.wait_ready()
+        assert line == f"pipeserve: serving {llama_dir} at {server.url}/v1"
+        yield server
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(up: UpProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_and_blocking_vs_streaming_completions(client: openai.OpenAI, llama_dir: Path) -> None:
+    model = client.models.list().data[0].id
+    assert model == str(llama_dir)
+    prompt = "The lighthouse keeper"
+    blocking = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == blocking.choices[0].text
+    assert blocking.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [blocking.choices[0].finish_reason]
+
+
+def test_greedy_completion_equals_hf(client: openai.OpenAI, llama_dir: Path) -> None:
+    model = str(llama_dir)
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    for text in ("Hello! How are you today?", "Tell me a story about a ship."):
+        prompt_ids = tok(text)["input_ids"]
+        want = hf_greedy(llama_dir, prompt_ids, MAX_TOKENS)
+        got = client.completions.create(model=model, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
+        assert got.choices[0].text == tok.decode(want, skip_special_tokens=True)
+        assert got.usage.prompt_tokens == len(prompt_ids) and got.usage.completion_tokens == len(want)
+
+
+def test_chat_blocking_streaming_and_hf(client: openai.OpenAI, llama_dir: Path) -> None:
+    model = str(llama_dir)
+    messages = [{"role": "user", "content": "Say something about the sea."}]
+    blocking = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text = blocking.choices[0].message.content
+    assert streamed == text and blocking.choices[0].message.role == "assistant"
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(prompt_ids, list):  # transformers 5 may return a BatchEncoding
+        prompt_ids = prompt_ids["input_ids"]
+    want = hf_greedy(llama_dir, list(prompt_ids), MAX_TOKENS)
+    assert text == tok.decode(want, skip_special_tokens=True)
+    assert blocking.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_32_concurrent_requests_each_equal_their_solo_hf(client: openai.OpenAI, llama_dir: Path) -> None:
+    model = str(llama_dir)
+    tok = AutoTokenizer.from_pretrained(str(llama_dir))
+    prompts = random_prompts(32, 3, 60, tok.vocab_size, seed=44)
+
+    def one(prompt: list[int]) -> str:
+        r = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, prompts))
+    for prompt, text in zip(prompts, texts, strict=True):
+        want = hf_greedy(llama_dir, prompt, MAX_TOKENS, ignore_eos=True)
+        assert text == tok.decode(want, skip_special_tokens=True), prompt
