@@ -92,13 +92,21 @@ class TokenizerAssets:
             raise InvalidRequestError("messages", f"chat template failed: {e}") from None
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """The token as text; a token holding part of a UTF-8 character is `bytes:\\xe4\\xbd` (OpenAI's form)."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            raw = self._token_bytes(token_id)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
 
     def _token_bytes(self, token_id: int) -> bytes:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is not None and self._byte_of is not None and all(c in self._byte_of for c in piece):
             return bytes(self._byte_of[c] for c in piece)
-        return self._token_text(token_id).encode("utf-8")
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
 def _byte_decoder() -> dict[str, int]:
