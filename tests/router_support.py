@@ -193,8 +193,9 @@ class RouterHarness:
     def _main(self, sock: socket.socket) -> None:
         try:
             asyncio.run(self._serve(sock))
-        except BaseException as e:
+        except BaseException as e:  # handed to the test thread, which raises it
             self._error = e
+            raise
 
     async def _serve(self, sock: socket.socket) -> None:
         self.loop = asyncio.get_running_loop()

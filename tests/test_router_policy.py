@@ -59,7 +59,7 @@ def test_prefix_affinity_is_consistent_and_keyed_on_the_first_block() -> None:
     first = pick_prefix_affinity(gs, prompt, overload=8).name
     assert all(pick_prefix_affinity(gs, prompt, overload=8).name == first for _ in range(5))
     # Only the first 16 tokens matter: requests sharing a system prompt land together.
-    assert pick_prefix_affinity(gs, prompt[:16] + [1, 2, 3], overload=8).name == first
+    assert pick_prefix_affinity(gs, [*prompt[:16], 1, 2, 3], overload=8).name == first
     assert affinity_key(prompt) == affinity_key(prompt[:16]) != affinity_key(prompt[1:17])
 
 

@@ -92,7 +92,7 @@ class TokenizerAssets:
             raise InvalidRequestError("messages", f"chat template failed: {e}") from None
 
     def _token_text(self, token_id: int) -> str:
-        """The token as text; a token holding part of a UTF-8 character is `bytes:\\xe4\\xbd` (OpenAI's form)."""
+        """The token as text; part of a UTF-8 character reads `bytes:\\xe4\\xbd` (as OpenAI does)."""
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         if "\ufffd" in text:
             raw = self._token_bytes(token_id)
