@@ -175,6 +175,44 @@ MUTANTS = [
         "        self._finalizer = weakref.finalize(self, lambda: None)",
         "tests/test_pipeline_lifecycle.py -k 'driver and exit'",
     ),
+    # --- serving (issue 4) ---
+    (
+        "wedge detector counts idle time as stalled",
+        "services/pipeserve/stage/wedge.py",
+        "            self._last_progress = now  # idle: nothing is owed, the clock starts when work arrives",
+        "            pass",
+        "tests/test_wedge.py -k idle",
+    ),
+    (
+        "a cancelled Generate call is not aborted",
+        "services/pipeserve/stage/server.py",
+        "            if not final:  # cancelled: the client went away or its deadline passed\n"
+        "                self.loop.abort(rid)",
+        "            if not final:  # cancelled: the client went away or its deadline passed\n"
+        "                pass",
+        "tests/test_stage_server.py -k cancel",
+    ),
+    (
+        "draining drops the running requests",
+        "services/pipeserve/stage/engine_loop.py",
+        "                if self.phase is Phase.DRAINING and not self._active:",
+        "                if self.phase is Phase.DRAINING:",
+        "tests/test_stage_server.py -k sigterm",
+    ),
+    (
+        "stage ready before the ring is formed",
+        "services/pipeserve/stage/health.py",
+        '        return self.phase == "ready" and not self.wedged',
+        '        return self.phase != "loading" and not self.wedged',
+        "tests/test_stage_server.py -k readyz",
+    ),
+    (
+        "supervisor restarts a group without stopping the old incarnation",
+        "services/pipeserve/supervisor/supervisor.py",
+        "        codes = await asyncio.to_thread(slot.kill, self.kill_grace_s)",
+        "        codes = {}",
+        "tests/test_up_faults.py -k killed_then",
+    ),
 ]
 only = sys.argv[1:]
 green = 0
