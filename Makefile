@@ -1,5 +1,5 @@
 # One command each, on a fresh machine (Python 3.11):
-#   make run    set up .venv, write the demo model if missing, generate from it
+#   make run    set up .venv, write the demo model if missing, serve it (`pipeserve up`)
 #   make test   set up .venv, lint, run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,9 +15,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+# The main job: the router on http://127.0.0.1:8000/v1 over one 2-stage pipeline group of the
+# demo model (written on first use). Override with e.g. `make run UP_ARGS="--replicas 2"`.
+UP_ARGS ?= --stages 2
 run: $(STAMP)
-	$(VENV)/bin/pipeserve generate --prompt "Hello! How are you today?" \
-		--prompt "Tell me a short story about a lighthouse." --max-tokens 32
+	$(VENV)/bin/pipeserve up $(UP_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
