@@ -3,6 +3,7 @@ blocking and streaming, greedy output equal to HF transformers, 32 concurrent re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,3 +107,20 @@ def test_32_concurrent_requests_each_equal_their_solo_hf(client: openai.OpenAI, 
     for prompt, text in zip(prompts, texts, strict=True):
         want = hf_greedy(llama_dir, prompt, MAX_TOKENS, ignore_eos=True)
         assert text == tok.decode(want, skip_special_tokens=True), prompt
+
+
+def test_bench_against_the_live_server(up: UpProcess, llama_dir: Path, tmp_path: Path) -> None:
+    """`pipeserve bench` drives the real router (streaming) and the real stage 0 (gRPC)."""
+    from pipeserve.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--url", up.url, "--workload", "shared-prefix", "--num-requests", "8"]
+    argv += ["--concurrency", "4", "--input-len", "24", "--output-len", "6", "--shared-prefix-len", "16"]
+    assert main([*argv, "--tokenizer", str(llama_dir), "--warmup", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"]
+    assert result["completed"] == 8 and result["failed"] == 0, result
+    grpc_target = up.groups()[0]["grpc"]
+    argv = ["bench", "--router-overhead", "--url", up.url, "--grpc", grpc_target, "--num-requests", "5"]
+    assert main([*argv, "--warmup", "1", "--json", str(out)]) == 0
+    overhead = json.loads(out.read_text())["router_overhead"]
+    assert overhead["router"]["ok"] == 5 and overhead["direct"]["ok"] == 5
