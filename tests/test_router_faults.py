@@ -160,16 +160,25 @@ def test_client_disconnect_cancels_upstream(llama_dir: Path, reply: list[int]) -
         assert metric(metrics(h), "pipeserve_router_requests_in_flight") == 0
 
 
-def test_set_down_stops_routing_until_a_later_ready_poll(llama_dir: Path, reply: list[int]) -> None:
+def test_set_down_stops_routing_until_polls_see_the_group_restart(llama_dir: Path, reply: list[int]) -> None:
     stages = two(reply)
-    with RouterHarness(llama_dir, stages, policy="round_robin", health_interval_s=0.3) as h:
+    with RouterHarness(llama_dir, stages, policy="round_robin") as h:
         h.call(lambda: h.replicas.set_down("g0", "supervisor saw it exit"))
         snap = h.call(h.replicas.snapshot)
         assert not snap[0]["ready"] and snap[0]["status"] == "down: supervisor saw it exit"
         for _ in range(3):
             assert complete(h).status_code == 200
-        assert stages["g0"].requests == []  # taken out at once, before any poll
-        wait_until(lambda: h.call(h.replicas.snapshot)[0]["ready"], 5, "g0 back after a ready poll")
+        time.sleep(0.3)  # several polls: g0 still says ready (not yet noticed it is dying) and stays out
+        assert not h.call(h.replicas.snapshot)[0]["ready"] and complete(h).status_code == 200
+        assert stages["g0"].requests == []
+        stages["g0"].ready = False  # the restart: unready while it loads, then ready
+        wait_until(
+            lambda: h.call(h.replicas.snapshot)[0]["status"] == "down: supervisor saw it exit", 5, "polled"
+        )
+        time.sleep(0.2)
+        stages["g0"].ready = True
+        wait_until(lambda: h.call(h.replicas.snapshot)[0]["ready"], 5, "g0 back after the restart")
+        assert all(complete(h).status_code == 200 for _ in range(4)) and len(stages["g0"].requests) == 2
 
 
 def test_least_load_prefers_the_idle_group(llama_dir: Path, reply: list[int]) -> None:

@@ -46,8 +46,9 @@ class GroupState:
     vocab_size: int = 0
     inflight: int = 0  # requests the router has in flight to this group now
     inflight_at_poll: int = 0  # ... when the last Load reply arrived
-    down_reason: str | None = None  # set by ReplicaSet.set_down; cleared by a later ready poll
+    down_reason: str | None = None  # set by ReplicaSet.set_down; cleared by polls: unready, then ready
     down_at: float = 0.0
+    down_seen_unready: bool = False
     polled_at: float = 0.0  # monotonic time of the last Health reply (0: never)
 
     @property

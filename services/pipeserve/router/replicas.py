@@ -9,8 +9,9 @@ Contract:
   deadline. A failed or timed-out poll makes the group unready.
 * A group is routable when its last Health said ready and it is not marked
   down. `set_down(name, reason)` (the supervisor saw the group die) takes it
-  out at once; only a Health reply to a poll *sent after* set_down brings it
-  back, so a reply already in flight from the dying group cannot undo it.
+  out at once. It comes back only once polls *sent after* set_down have seen
+  it unready (or unreachable) and then ready again: a reply already in flight,
+  or a dying stage 0 that has not yet noticed its group stopped, cannot undo it.
 * `pick(prompt_ids, exclude)` applies `config.policy` (see policy.py) to the
   routable groups; `acquire`/`release` keep the router's own in-flight count per
   group, which least_load reads.
@@ -103,6 +104,7 @@ class ReplicaSet:
         was = g.routable
         g.down_reason = reason
         g.down_at = time.monotonic()
+        g.down_seen_unready = False
         if was:
             log.warning("group %s marked down: %s", name, reason)
         self._export(g)
@@ -198,6 +200,8 @@ class ReplicaSet:
         except grpc.aio.AioRpcError as e:
             g.ready = False
             g.status = f"unreachable: {e.code().name}"
+            if g.down_reason is not None and sent > g.down_at:
+                g.down_seen_unready = True
         else:
             g.polled_at = time.monotonic()
             g.ready = health.ready and health.max_model_len > 0
@@ -211,8 +215,11 @@ class ReplicaSet:
                 g.kv_blocks_used, g.kv_blocks_total = load.kv_blocks_used, load.kv_blocks_total
                 g.pending_tokens = load.pending_tokens
             g.inflight_at_poll = g.inflight
-            if g.ready and g.down_reason is not None and sent > g.down_at:
-                g.down_reason = None
+            if g.down_reason is not None and sent > g.down_at:
+                if not g.ready:
+                    g.down_seen_unready = True
+                elif g.down_seen_unready:
+                    g.down_reason = None
         if g.routable != was:
             if g.routable:
                 log.info("group %s ready (%s)", g.name, g.target)
