@@ -174,9 +174,8 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
         aloop.add_signal_handler(sig, term.set)
     status.phase = "ready"
     log.info("stage 0 serving gRPC on %s:%d (model %s)", serve.host, port, model_name)
-    done = asyncio.ensure_future(asyncio.to_thread(loop.done.wait))
-    term_wait = asyncio.ensure_future(term.wait())
-    await asyncio.wait([done, term_wait], return_when=asyncio.FIRST_COMPLETED)
+    while not term.is_set() and not loop.done.is_set():  # serving: until a signal or a group stop
+        await asyncio.sleep(0.1)
     if term.is_set() and not loop.done.is_set():
         status.phase = "draining"
         log.info("draining: %d running, %d waiting", loop.stats.running, loop.stats.waiting)
@@ -185,7 +184,6 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
             log.warning("drain timed out after %.0fs: ending the remaining requests", serve.drain_timeout_s)
             loop.end("server shutting down")
     await asyncio.to_thread(loop.join, loop.engine.config.ring_timeout_s + 5)
-    term_wait.cancel()
     await server.stop(grace=1.0)
     status.phase = "stopped"
     if loop.failed:
