@@ -169,7 +169,9 @@ class RouterHarness:
         self._error: BaseException | None = None
 
     def __enter__(self) -> RouterHarness:
-        sock = socket.socket()
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets; without it every
+        # keep-alive response waits out the client's delayed ACK (~40 ms).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self._thread = threading.Thread(target=self._main, args=(sock,), name="router-harness", daemon=True)
