@@ -187,11 +187,23 @@ def test_chat_logprobs_shape(router: RouterHarness, tok: TokenizerAssets) -> Non
         ({"prompt": list(range(64))}, "prompt"),
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+        ({"prompt": "x", "seed": 2**70}, "seed"),
+        ({"prompt": "x", "top_k": 2**40}, "top_k"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        (b"[" * 100000, None),
+        (b"\xff\xfe\x00", None),
     ],
 )
 def test_bad_input_is_400_and_service_goes_on(router: RouterHarness, body: object, param: str | None) -> None:
     assert_error(post(router, "/v1/completions", body), 400, param)
     assert post(router, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_max_tokens_beyond_the_context_is_capped_not_an_error(
+    router: RouterHarness, stage: ScriptedStage
+) -> None:
+    r = post(router, "/v1/completions", {"prompt": [5, 6], "max_tokens": 10**30})
+    assert r.status_code == 200 and stage.requests[-1].sampling.max_tokens == 64
 
 
 def test_error_shapes_of_routing_and_framework_errors(router: RouterHarness, stage: ScriptedStage) -> None:
@@ -245,3 +257,34 @@ def test_api_key_guards_v1_only(llama_dir: Path, stage: ScriptedStage) -> None:
         assert httpx.get(h.url + "/metrics").status_code == 200
         with openai.OpenAI(base_url=h.url + "/v1", api_key="sekret") as client:
             assert client.models.list().data[0].id == str(llama_dir)
+
+
+def test_routes_added_by_the_caller_get_the_same_error_shape(llama_dir: Path) -> None:
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from pipeserve.config import RouterConfig
+    from pipeserve.router.app import build_app
+    from pipeserve.router.replicas import ReplicaSet
+
+    registry = CollectorRegistry()
+    config = RouterConfig(model=str(llama_dir))
+    app = build_app(config, ReplicaSet(config, {"g0": "127.0.0.1:9"}, registry), registry)
+
+    @app.get("/typed")
+    def typed(n: int) -> dict:
+        return {"n": n}
+
+    @app.get("/boom")
+    def boom() -> dict:
+        raise RuntimeError("bug")
+
+    with TestClient(app, raise_server_exceptions=False) as c:
+        err = c.get("/typed", params={"n": "abc"})
+        assert err.status_code == 400 and err.json()["error"]["param"] == "n"
+        assert c.get("/typed", params={"n": 3}).json() == {"n": 3}
+        assert c.get("/boom").json()["error"]["type"] == "server_error"
+        assert c.get("/health").status_code == 503  # the replica set never polled: nothing is ready
+        r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+        assert 'pipeserve_router_requests_total{endpoint="/boom",status="500"} 1.0' in c.get("/metrics").text

@@ -123,7 +123,7 @@ class Router:
         raw = await request.body()
         try:
             return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise errors.invalid(None, f"the request body is not valid JSON: {e}") from None
 
     def check_model(self, model: str | None) -> None:

@@ -86,7 +86,9 @@ class GenParams:
             raise errors.invalid(
                 "stop_token_ids", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
             )
-        max_tokens = self.max_tokens if self.max_tokens is not None else max(1, max_model_len - prompt_len)
+        # More than the context can never be generated; the cap also keeps the value in uint32.
+        limit = max(1, max_model_len - prompt_len)
+        max_tokens = limit if self.max_tokens is None else min(self.max_tokens, max_model_len)
         p = pb.SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -135,7 +137,11 @@ def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> GenPara
     if not _token_list(stop_ids):
         raise errors.invalid("stop_token_ids", "must be a list of integers")
     seed = _int(body, "seed", None)
+    if seed is not None and seed >= 2**64:
+        raise errors.invalid("seed", "must be < 2**64")
     top_k = _int(body, "top_k", -1)
+    if top_k >= 2**31:
+        raise errors.invalid("top_k", "must be < 2**31")
     values = dict(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0),
