@@ -108,11 +108,16 @@ def test_failure_after_first_token_ends_stream_with_error_event(llama_dir: Path,
         error = json.loads(events[-2])["error"]
         assert error["code"] == "service_unavailable" and "scripted" in error["message"]
         assert json.loads(events[0])["choices"][0]["text"] == "one"
+        # UNAVAILABLE marked g0 unready (the group stopped); the next poll finds it ready again.
+        ready = lambda: h.call(h.replicas.ready_groups)  # noqa: E731
+        wait_until(ready, 5, "g0 ready again")
         with openai.OpenAI(base_url=h.url + "/v1", api_key="x", max_retries=0) as client:
             with pytest.raises(openai.APIError, match="scripted"):
                 for _ in client.completions.create(model=h.config.model_name, prompt="x", stream=True):
                     pass
-        assert complete(h, max_tokens=5).status_code == 503  # blocking: 503 in the error shape
+        wait_until(ready, 5, "g0 ready again")
+        r = complete(h, max_tokens=5)
+        assert r.status_code == 503 and "scripted" in r.json()["error"]["message"]  # blocking: a 503
         assert stages["g1"].requests == []  # nothing is retried after the first token
 
 

@@ -102,16 +102,20 @@ class GenerateStream:
             self.close()
             raise UpstreamFailure(self.group, Code.UNAVAILABLE, "stream ended without a finish_reason")
         if msg.finish_reason:
+            # The call ends by itself with the last message: release it, do not cancel it.
             self.finished = True
-            self.close()
+            self._release()
             if msg.finish_reason == "abort":  # not ours: we cancel, we never Abort a live stream
                 raise UpstreamFailure(self.group, Code.UNAVAILABLE, "the group aborted the request")
         return msg
 
     def close(self) -> None:
         """Cancel the call if it is still running (stage 0 aborts the request); idempotent."""
-        if self._call is not None and not self._call.done():
+        if self._call is not None and not self.finished and not self._call.done():
             self._call.cancel()
+        self._release()
+
+    def _release(self) -> None:
         if self._acquired:
             self._acquired = False
             self.upstream.replicas.release(self.group)
