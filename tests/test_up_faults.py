@@ -91,14 +91,16 @@ def _in_flight(up: UpProcess, model: str, n: int) -> tuple[list, list[threading.
     return out, threads
 
 
+def _running(group: dict) -> float:
+    text = httpx.get(group["health"][0] + "/metrics").text
+    return metric(text, "pipeserve_requests_running") or 0
+
+
 def _until_running(up: UpProcess, group: dict, n: int) -> None:
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        text = httpx.get(group["health"][0] + "/metrics").text
-        if (metric(text, "pipeserve_requests_running") or 0) >= n:
-            return
+    while _running(group) < n:
+        assert time.monotonic() < deadline, "the long requests never ran"
         time.sleep(0.05)
-    raise AssertionError("the long requests never ran")
 
 
 def test_killed_then_frozen_stage_restarts_the_whole_group(llama_dir: Path, tmp_path: Path) -> None:
@@ -180,8 +182,18 @@ def test_two_groups_one_lost_requests_keep_succeeding_and_sigterm_leaves_no_orph
         _wait_restarted(up, "group-0", 1, 90)
         assert _group(up, "group-1")["restarts"] == 0
         pids += [int(p) for p in _group(up, "group-0")["pids"].values()]
+        # SIGTERM drains: a response in flight completes before anything stops.
+        out: list = []
+        t = threading.Thread(target=_stream, args=(up.url, model, [3, 4, 5], 300, out))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(_running(g) for g in up.groups()):
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
     finally:
         code = up.stop(signal.SIGTERM)
+    t.join(30)
+    assert out and out[0][1] == "finished" and out[0][0] > 0, out
     assert code == 0, up.log()[-3000:]
     assert not wait_dead(pids, 10), "stage processes outlived pipeserve up"
 

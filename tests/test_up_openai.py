@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from serving_support import UpProcess
@@ -124,3 +125,38 @@ def test_bench_against_the_live_server(up: UpProcess, llama_dir: Path, tmp_path:
     assert main([*argv, "--warmup", "1", "--json", str(out)]) == 0
     overhead = json.loads(out.read_text())["router_overhead"]
     assert overhead["router"]["ok"] == 5 and overhead["direct"]["ok"] == 5
+
+
+BAD_INPUT = [
+    # (body or raw text, status, param)
+    ('{"model": "M", "prompt": "hi", ', 400, None),  # malformed JSON
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": 42}, 400, "prompt"),
+    ({"prompt": [5, 6, 10**7]}, 400, "prompt"),  # token id outside the vocabulary
+    ({"prompt": [5] * 5000}, 400, "prompt"),  # longer than the context
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "n": 3}, 400, "n"),
+    ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_INPUT)
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(
+    up: UpProcess, llama_dir: Path, body: object, status: int, param: str | None
+) -> None:
+    model = str(llama_dir)
+    url = up.url + "/v1/completions"
+    if isinstance(body, str):
+        r = httpx.post(url, content=body.replace('"M"', json.dumps(model)), timeout=30)
+    else:
+        r = httpx.post(url, json={"model": model, **body}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    ok = httpx.post(url, json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")

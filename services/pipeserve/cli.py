@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("PIPESERVE_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request (probes, bench) otherwise
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -171,7 +171,6 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
 
 def run_up(args: argparse.Namespace) -> int:
     engine, serve, router = build_configs(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per liveness probe otherwise
     return asyncio.run(serve_up(engine, serve, router, args.replicas))
 
 
