@@ -213,6 +213,34 @@ MUTANTS = [
         "        codes = {}",
         "tests/test_up_faults.py -k killed_then",
     ),
+    (
+        "router retries on the group that just failed",
+        "services/pipeserve/router/upstream.py",
+        "                tried.append(group.name)",
+        "                pass",
+        "tests/test_router_faults.py -k 'retried or retry_avoids'",
+    ),
+    (
+        "router never retries before the first token",
+        "services/pipeserve/router/upstream.py",
+        "        for attempt in range(2):",
+        "        for attempt in range(1):",
+        "tests/test_router_faults.py -k retried",
+    ),
+    (
+        "router routes to groups that are not ready",
+        "services/pipeserve/router/policy.py",
+        "        return self.ready and self.down_reason is None",
+        "        return self.down_reason is None",
+        "tests/test_router_policy.py tests/test_router_faults.py -k 'candidates or stopped'",
+    ),
+    (
+        "a stop string does not cancel the upstream call",
+        "services/pipeserve/router/serving.py",
+        "        if self._stream is not None:\n            self._stream.close()",
+        "        if self._stream is not None:\n            pass",
+        "tests/test_router_e2e.py -k stop",
+    ),
 ]
 only = sys.argv[1:]
 green = 0

@@ -116,7 +116,15 @@ def test_stop_string_trims_and_frees_the_request(
             assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 400
             got = r.choices[0].text
         assert got == want
-    # The cancelled calls were aborted on stage 0: no request left running, no block held.
+    # The cancelled calls were aborted on stage 0 (not run to max_tokens): no block held.
+    aborted = sum(
+        metric(
+            httpx.get(s.health_url(0) + "/metrics").text, "pipeserve_requests_finished_total", reason="abort"
+        )
+        or 0
+        for s in slots.values()
+    )
+    assert aborted == 2
     for s in slots.values():
         wait_until(
             lambda s=s: metric(httpx.get(s.health_url(0) + "/metrics").text, "pipeserve_kv_blocks_used") == 0,

@@ -57,6 +57,22 @@ def test_failure_before_first_token_is_retried_once_on_another_group(
             assert stages["g0"].cancelled == len(stages["g0"].requests)  # our deadline cancelled them
 
 
+def test_retry_avoids_the_failed_group_even_when_the_policy_prefers_it(
+    llama_dir: Path, reply: list[int]
+) -> None:
+    stages = two(reply)
+    with RouterHarness(llama_dir, stages, policy="prefix_affinity") as h:
+        assert complete(h).status_code == 200
+        affine = next(name for name, s in stages.items() if s.requests)
+        other = next(name for name in stages if name != affine)
+        stages[affine].mode = "exhausted"  # still ready: only the retry rule keeps it out
+        for _ in range(3):
+            r = complete(h)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "one two"
+        assert len(stages[other].requests) == 3
+        assert metric(metrics(h), "pipeserve_router_retries_total") == 3
+
+
 def test_no_retry_when_no_other_group_and_codes_map_to_503_429(llama_dir: Path, reply: list[int]) -> None:
     stage = ScriptedStage(reply)
     with RouterHarness(llama_dir, {"g0": stage}, first_token_timeout_s=0.5) as h:
