@@ -206,3 +206,18 @@ def test_sigkilled_up_leaves_no_orphans(llama_dir: Path, tmp_path: Path) -> None
     finally:
         up.stop(signal.SIGKILL)
     assert not wait_dead(pids, 10), "stage processes outlived a SIGKILLed pipeserve up"
+
+
+def test_a_group_that_cannot_start_stops_up_with_status_2(llama_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in llama_dir.iterdir():
+        if f.name != "model.safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    up = UpProcess("--model", str(broken), log_dir=tmp_path / "logs")
+    try:
+        assert up.proc.wait(timeout=60) == 2
+    finally:
+        up.stop()
+    assert "cannot serve: group-0: stage 0 cannot start" in up.log()
+    assert "no weights" in (tmp_path / "logs" / "group-0-stage-0.log").read_text()

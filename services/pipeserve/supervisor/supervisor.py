@@ -30,6 +30,7 @@ from pipeserve.supervisor.group import GroupSlot, SlotState
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+EXIT_CANNOT_START = 2  # a stage's exit status for a configuration or checkpoint error
 
 
 class Supervisor:
@@ -61,6 +62,10 @@ class Supervisor:
             self.restarts.labels(slot.name)
             self.group_ready.labels(slot.name).set(0)
         self.all_ready = asyncio.Event()  # every group was ready at least once
+        # A stage that cannot start (exit 2: configuration or checkpoint) before its group was ever
+        # ready will not start on a retry either: `pipeserve up` gives up instead of looping.
+        self.fatal: str | None = None
+        self.failed = asyncio.Event()
         self._stopping = False
         self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S)
 
@@ -87,6 +92,10 @@ class Supervisor:
             return
         if exited := slot.exited():
             rank, code = next(iter(sorted(exited.items())))
+            if code == EXIT_CANNOT_START and slot.ready_at is None and not slot.restarts:
+                self.fatal = f"{slot.name}: stage {rank} cannot start (see its log)"
+                self.failed.set()
+                return
             await self._fail(slot, f"stage {rank} exited with status {code}")
             return
         cause = await self._probe(slot)

@@ -160,13 +160,20 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
             await asyncio.sleep(0.05)
         print(f"pipeserve: serving {router.model_name} at http://{router.host}:{router.port}/v1", flush=True)
 
+    async def give_up() -> None:
+        await supervisor.failed.wait()
+        log.error("cannot serve: %s", supervisor.fatal)
+        server.should_exit = True
+
     ready = asyncio.create_task(announce())
+    fatal = asyncio.create_task(give_up())
     await http  # returns after a signal, once in-flight HTTP responses are done (or the drain expired)
     ready.cancel()
+    fatal.cancel()
     watch.cancel()
     await replica_set.close()
-    await supervisor.shutdown(0.0 if signals > 1 else serve.drain_timeout_s)
-    return 0
+    await supervisor.shutdown(0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s)
+    return 2 if supervisor.fatal else 0
 
 
 def run_up(args: argparse.Namespace) -> int:
