@@ -50,6 +50,7 @@ class GroupState:
     down_at: float = 0.0
     down_seen_unready: bool = False
     polled_at: float = 0.0  # monotonic time of the last Health reply (0: never)
+    slow_polls: int = 0  # polls in a row that timed out (a busy group, or a hung one)
 
     @property
     def routable(self) -> bool:

@@ -36,6 +36,8 @@ from pipeserve.router.policy import GroupState
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 
+SLOW_POLLS = 3  # Health polls in a row that time out before a group is taken out of routing
+
 log = logging.getLogger("pipeserve.router")
 
 # A restarted group listens on the same address again within seconds; gRPC's default
@@ -198,11 +200,16 @@ class ReplicaSet:
             health = await stub.Health(pb.HealthRequest(), timeout=timeout)
             load = await stub.Load(pb.LoadRequest(), timeout=timeout) if health.ready else None
         except grpc.aio.AioRpcError as e:
-            g.ready = False
-            g.status = f"unreachable: {e.code().name}"
-            if g.down_reason is not None and sent > g.down_at:
-                g.down_seen_unready = True
+            # Refused: the process is gone, stop routing now. A timeout may be a busy machine:
+            # like a readiness probe's failureThreshold, only SLOW_POLLS in a row make it unready.
+            g.slow_polls += 1
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or g.slow_polls >= SLOW_POLLS:
+                g.ready = False
+                g.status = f"unreachable: {e.code().name}"
+                if g.down_reason is not None and sent > g.down_at:
+                    g.down_seen_unready = True
         else:
+            g.slow_polls = 0
             g.polled_at = time.monotonic()
             g.ready = health.ready and health.max_model_len > 0
             g.status = health.status or ("ready" if health.ready else "not ready")

@@ -156,7 +156,8 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
 
     async def announce() -> None:
         await supervisor.all_ready.wait()
-        while not server.started:
+        # Ready means routable: the router's own Health polls must see every group ready too.
+        while not server.started or not await replica_set.wait_ready(len(slots), timeout_s=1.0):
             await asyncio.sleep(0.05)
         print(f"pipeserve: serving {router.model_name} at http://{router.host}:{router.port}/v1", flush=True)
 
