@@ -23,6 +23,16 @@ DEVICES = ("cpu", "cuda")
 T = TypeVar("T")
 
 
+def _checker(config: object):
+    """need(cond, field, message): raise ConfigError naming the field and its value unless cond."""
+
+    def need(cond: bool, name: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{name}: {msg} (got {getattr(config, name)!r})")
+
+    return need
+
+
 def parse_layer_split(text: str) -> list[tuple[int, int]]:
     """'0:3,3:6' -> [(0, 3), (3, 6)]: contiguous, non-empty ranges starting at 0."""
     try:
@@ -62,10 +72,7 @@ class EngineConfig:
     log_dir: str | None = None  # local launcher: stage k logs to log_dir/stage-k.log
 
     def __post_init__(self) -> None:
-        def need(cond: bool, name: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"{name}: {msg} (got {getattr(self, name)!r})")
-
+        need = _checker(self)
         need(Path(self.model).is_dir(), "model", "must be a checkpoint directory")
         need(self.device.split(":")[0] in DEVICES, "device", f"must be one of {DEVICES}")
         need(
@@ -172,10 +179,7 @@ class StageServeConfig:
     served_model_name: str = ""
 
     def __post_init__(self) -> None:
-        def need(cond: bool, name: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"{name}: {msg} (got {getattr(self, name)!r})")
-
+        need = _checker(self)
         need(0 <= self.health_port < 65536, "health_port", "must be a port number (0: none)")
         need(0 <= self.grpc_port < 65536, "grpc_port", "must be a port number (0: none)")
         need(self.wedge_timeout_s > 0, "wedge_timeout_s", "must be > 0")
@@ -209,10 +213,7 @@ class RouterConfig:
         return self.served_model_name or self.model
 
     def __post_init__(self) -> None:
-        def need(cond: bool, name: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"{name}: {msg} (got {getattr(self, name)!r})")
-
+        need = _checker(self)
         need(Path(self.model).is_dir(), "model", "must be a checkpoint directory")
         need(0 <= self.port < 65536, "port", "must be a port number")
         need(self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
