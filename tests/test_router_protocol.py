@@ -15,6 +15,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ("extra", "param"),
     [
         ({"prompt": None}, "prompt"),
+        ({"return_token_ids": "yes"}, "return_token_ids"),
         ({"prompt": []}, "prompt"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),

@@ -59,21 +59,45 @@ def test_models_and_blocking_vs_streaming_completions(client: openai.OpenAI, lla
 
 
 def test_greedy_completion_equals_hf(client: openai.OpenAI, llama_dir: Path) -> None:
+    """Token ids (vLLM's `return_token_ids`) and text, for text and token-id prompts."""
     model = str(llama_dir)
     tok = AutoTokenizer.from_pretrained(str(llama_dir))
     for text in ("Hello! How are you today?", "Tell me a story about a ship."):
         prompt_ids = tok(text)["input_ids"]
         want = hf_greedy(llama_dir, prompt_ids, MAX_TOKENS)
-        got = client.completions.create(model=model, prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0)
-        assert got.choices[0].text == tok.decode(want, skip_special_tokens=True)
-        assert got.usage.prompt_tokens == len(prompt_ids) and got.usage.completion_tokens == len(want)
+        for prompt in (text, prompt_ids):
+            got = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            choice = got.choices[0]
+            assert choice.prompt_token_ids == prompt_ids
+            assert choice.token_ids == want
+            assert choice.text == tok.decode(want, skip_special_tokens=True)
+            assert got.usage.prompt_tokens == len(prompt_ids) and got.usage.completion_tokens == len(want)
+        streamed = client.completions.create(
+            model=model,
+            prompt=prompt_ids,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+        assert [t for c in streamed if c.choices for t in c.choices[0].token_ids] == want
 
 
 def test_chat_blocking_streaming_and_hf(client: openai.OpenAI, llama_dir: Path) -> None:
     model = str(llama_dir)
     messages = [{"role": "user", "content": "Say something about the sea."}]
     blocking = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        model=model,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
     )
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
@@ -88,6 +112,7 @@ def test_chat_blocking_streaming_and_hf(client: openai.OpenAI, llama_dir: Path) 
     if not isinstance(prompt_ids, list):  # transformers 5 may return a BatchEncoding
         prompt_ids = prompt_ids["input_ids"]
     want = hf_greedy(llama_dir, list(prompt_ids), MAX_TOKENS)
+    assert blocking.choices[0].token_ids == want and blocking.choices[0].prompt_token_ids == list(prompt_ids)
     assert text == tok.decode(want, skip_special_tokens=True)
     assert blocking.usage.prompt_tokens == len(prompt_ids)
 
@@ -97,17 +122,17 @@ def test_32_concurrent_requests_each_equal_their_solo_hf(client: openai.OpenAI, 
     tok = AutoTokenizer.from_pretrained(str(llama_dir))
     prompts = random_prompts(32, 3, 60, tok.vocab_size, seed=44)
 
-    def one(prompt: list[int]) -> str:
+    def one(prompt: list[int]) -> list[int]:
+        body = {"ignore_eos": True, "return_token_ids": True}
         r = client.completions.create(
-            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=body
         )
-        return r.choices[0].text
+        return r.choices[0].token_ids
 
     with ThreadPoolExecutor(32) as pool:
-        texts = list(pool.map(one, prompts))
-    for prompt, text in zip(prompts, texts, strict=True):
-        want = hf_greedy(llama_dir, prompt, MAX_TOKENS, ignore_eos=True)
-        assert text == tok.decode(want, skip_special_tokens=True), prompt
+        got = list(pool.map(one, prompts))
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert ids == hf_greedy(llama_dir, prompt, MAX_TOKENS, ignore_eos=True), prompt
 
 
 def test_bench_against_the_live_server(up: UpProcess, llama_dir: Path, tmp_path: Path) -> None:

@@ -164,6 +164,7 @@ class Router:
                 self.config.model_name,
                 self.tok,
                 req.params.logprobs is not None,
+                req.return_token_ids,
             )
             return await self._generate(
                 request, fmt, ids, req.params, req.stream, req.include_usage, slot, arrival
@@ -188,6 +189,7 @@ class Router:
                 self.config.model_name,
                 self.tok,
                 req.params.logprobs is not None,
+                req.return_token_ids,
             )
             return await self._generate(
                 request, fmt, [ids], req.params, req.stream, req.include_usage, slot, arrival
@@ -253,8 +255,13 @@ class Router:
                 if opening is not None:
                     yield sse(opening)
             async for c, ev in gen.events():
-                if ev.text or ev.tokens or ev.finish_reason is not None:
-                    yield sse(fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason))
+                if (
+                    ev.text
+                    or ev.tokens
+                    or ev.finish_reason is not None
+                    or (fmt.return_token_ids and ev.token_ids)
+                ):
+                    yield sse(fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason, ev.token_ids))
             if include_usage:
                 yield sse(fmt.usage_chunk([c.result for c in gen.choices]))
         except APIError as e:

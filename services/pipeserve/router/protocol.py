@@ -112,6 +112,7 @@ class CompletionRequest:
     params: GenParams
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False  # vLLM's extension: token ids in every choice and chunk
 
 
 @dataclass
@@ -121,6 +122,7 @@ class ChatRequest:
     params: GenParams
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
 
 
 def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> GenParams:
@@ -218,7 +220,8 @@ def parse_completion(body: Any) -> CompletionRequest:
     logprobs = _int(body, "logprobs", None)
     params = _common(body, _int(body, "max_tokens", 16), logprobs)
     stream, include_usage = _stream_fields(body)
-    return CompletionRequest(_model(body), prompts, params, stream, include_usage)
+    ids = _bool(body, "return_token_ids", False)
+    return CompletionRequest(_model(body), prompts, params, stream, include_usage, ids)
 
 
 def _message(i: int, m: Any) -> dict:
@@ -268,7 +271,8 @@ def parse_chat(body: Any) -> ChatRequest:
         raise errors.invalid("response_format", "only {'type': 'text'} is supported")
     params = _common(body, max_tokens, (top or 0) if want_logprobs else None)
     stream, include_usage = _stream_fields(body)
-    return ChatRequest(_model(body), parsed, params, stream, include_usage)
+    ids = _bool(body, "return_token_ids", False)
+    return ChatRequest(_model(body), parsed, params, stream, include_usage, ids)
 
 
 def check_prompt(ids: list[int], param: str, max_model_len: int, vocab_size: int) -> None:

@@ -41,6 +41,8 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # generated ids, up to a stop string's token
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 def usage(results: list[ChoiceResult]) -> dict:
@@ -66,8 +68,17 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class Formatter:
-    def __init__(self, chat: bool, request_id: str, model: str, tok: TokenizerAssets, logprobs: bool) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        tok: TokenizerAssets,
+        logprobs: bool,
+        return_token_ids: bool = False,
+    ) -> None:
         self.chat = chat
+        self.return_token_ids = return_token_ids
         self.id = request_id
         self.model = model
         self.tok = tok
@@ -126,12 +137,20 @@ class Formatter:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": None}])
 
-    def chunk(self, index: int, text: str, tokens: list[TokenLP], finish_reason: str | None) -> dict:
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        tokens: list[TokenLP],
+        finish_reason: str | None,
+        token_ids: list[int] | None = None,
+    ) -> dict:
+        ids = {"token_ids": token_ids or []} if self.return_token_ids else {}
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens)}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens), **ids}
             return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish_reason}])
-        choice = {"index": index, "text": text, "logprobs": self._logprobs(tokens)}
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(tokens), **ids}
         return self._envelope("text_completion", [{**choice, "finish_reason": finish_reason}])
 
     def usage_chunk(self, results: list[ChoiceResult]) -> dict:
@@ -147,6 +166,8 @@ class Formatter:
                 choice = {"index": r.index, "message": message, "logprobs": self._logprobs(r.tokens)}
             else:
                 choice = {"index": r.index, "text": r.text, "logprobs": self._logprobs(r.tokens)}
+            if self.return_token_ids:
+                choice |= {"token_ids": r.token_ids, "prompt_token_ids": r.prompt_token_ids}
             choices.append({**choice, "finish_reason": r.finish_reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(obj, choices), "usage": usage(results)}

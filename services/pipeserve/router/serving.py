@@ -40,6 +40,7 @@ class ChoiceEvent:
     text: str
     tokens: list[TokenLP]
     finish_reason: str | None
+    token_ids: list[int]
 
 
 class Choice:
@@ -62,7 +63,7 @@ class Choice:
         self.arrival = arrival
         self.keep_logprobs = sampling.HasField("logprobs")
         self.text = TextStream(tok.decode, stops)
-        self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids))
+        self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids), prompt_token_ids=list(prompt_ids))
         self._stream: GenerateStream | None = None
         self._first: pb.GenerateResponse | None = None
         self._last_at: float | None = None
@@ -119,13 +120,15 @@ class Choice:
         m.generation_tokens.inc(used)
         r = self.result
         r.completion_tokens += used
+        ids = list(msg.token_ids[:used])
+        r.token_ids.extend(ids)
         if self.keep_logprobs:
             r.tokens.extend(tokens)
         if finish is not None:
             r.text, r.finish_reason = self.text.text, finish
             m.e2e.observe(now - self.arrival)
             self.close()  # a stop string: cancel now; stage 0 aborts the request and frees its blocks
-        return ChoiceEvent("".join(parts), tokens, finish)
+        return ChoiceEvent("".join(parts), tokens, finish, ids)
 
     def close(self) -> None:
         if self._stream is not None:
