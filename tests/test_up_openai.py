@@ -185,3 +185,12 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(
         assert err["param"] == param, err
     ok = httpx.post(url, json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_huge_body_is_413_and_the_server_goes_on(up: UpProcess, llama_dir: Path) -> None:
+    url = up.url + "/v1/completions"
+    body = b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}'
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    ok = httpx.post(url, json={"model": str(llama_dir), "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200

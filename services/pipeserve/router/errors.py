@@ -68,6 +68,10 @@ def unauthorized() -> APIError:
     )
 
 
+def too_large(message: str) -> APIError:
+    return APIError(413, message, "invalid_request_error", None, "request_too_large")
+
+
 def too_many_requests(message: str) -> APIError:
     return APIError(429, message, "rate_limit_error", None, "rate_limit_exceeded")
 

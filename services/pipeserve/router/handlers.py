@@ -42,6 +42,7 @@ from pipeserve.router.serving import Choice, Generation
 from pipeserve.router.tokenizer import TokenizerAssets
 from pipeserve.router.upstream import Upstream
 
+MAX_BODY_BYTES = 16 * 2**20  # far above any prompt the context can hold (and JSON token-id lists)
 log = logging.getLogger("pipeserve.router")
 T = TypeVar("T")
 PROBE_TEXT = "Hello"
@@ -120,7 +121,12 @@ class Router:
             raise errors.unauthorized()
 
     async def read_json(self, request: Request) -> Any:
-        raw = await request.body()
+        """The JSON body, read at most MAX_BODY_BYTES far: a huge body is a 413, not a memory spike."""
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise errors.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes")
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
