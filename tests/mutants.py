@@ -241,6 +241,13 @@ MUTANTS = [
         "        if self._stream is not None:\n            pass",
         "tests/test_router_e2e.py -k stop",
     ),
+    (
+        "an idle engine pass writes a log line",
+        "services/pipeserve/stage/engine_loop.py",
+        "                    self._wake.wait(IDLE_WAIT_S)",
+        '                    log.info("idle pass")\n                    self._wake.wait(IDLE_WAIT_S)',
+        "tests/test_wedge.py -k idle_group",
+    ),
 ]
 only = sys.argv[1:]
 green = 0

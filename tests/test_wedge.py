@@ -112,9 +112,13 @@ def test_frozen_stage_is_caught_by_stage_0_which_goes_red_and_exits(llama_dir: P
             procs[1].send_signal(signal.SIGCONT)
 
 
-def test_an_idle_group_is_not_wedged(llama_dir: Path, tmp_path: Path) -> None:
+def test_an_idle_group_is_not_wedged_and_logs_nothing(llama_dir: Path, tmp_path: Path) -> None:
     with live_group(llama_dir, 2, tmp_path, wedge_timeout_s=1.0, wedge_grace_s=0.5) as slot:
-        time.sleep(4.0)  # four wedge timeouts of an idle ring (heartbeats only)
+        time.sleep(1.5)  # the first heartbeat has made stage 1 ready: start-up lines are done
+        before = [(tmp_path / f"group-t-stage-{r}.log").read_text() for r in (0, 1)]
+        time.sleep(4.0)  # four wedge timeouts of an idle ring (heartbeats only, ~80 idle engine passes)
+        after = [(tmp_path / f"group-t-stage-{r}.log").read_text() for r in (0, 1)]
+        assert after == before, "an idle group wrote log lines"
         for rank in (0, 1):
             assert httpx.get(slot.health_url(rank) + "/livez").json()["status"] == "ok"
         assert all(pid_alive(pid) for pid in slot.pids.values())
