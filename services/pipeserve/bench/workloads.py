@@ -74,6 +74,19 @@ def random_workload(
 ) -> list[BenchRequest]:
     _check_vocab(min_token_id, vocab_size)
     rng = np.random.default_rng(seed)
+    return _draw_requests(rng, num_requests, input_len, output_len, range_ratio, min_token_id, vocab_size)
+
+
+def _draw_requests(
+    rng: np.random.Generator,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    min_token_id: int,
+    vocab_size: int,
+) -> list[BenchRequest]:
+    """Random prompts of drawn input lengths with drawn output lengths (lengths first, then ids)."""
     in_lens = draw_lengths(rng, input_len, range_ratio, num_requests)
     out_lens = draw_lengths(rng, output_len, range_ratio, num_requests)
     return [
@@ -103,13 +116,8 @@ def shared_prefix_workload(
         raise ValueError("--num-prefixes and --shared-prefix-len must be >= 1")
     rng = np.random.default_rng(seed)
     prefixes = [_token_ids(rng, shared_prefix_len, min_token_id, vocab_size) for _ in range(num_prefixes)]
-    in_lens = draw_lengths(rng, input_len, range_ratio, num_requests)
-    out_lens = draw_lengths(rng, output_len, range_ratio, num_requests)
-    out = []
-    for k, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=True)):
-        suffix = _token_ids(rng, int(n_in), min_token_id, vocab_size)
-        out.append(BenchRequest(prefixes[k % num_prefixes] + suffix, int(n_out)))
-    return out
+    suffixes = _draw_requests(rng, num_requests, input_len, output_len, range_ratio, min_token_id, vocab_size)
+    return [BenchRequest(prefixes[k % num_prefixes] + r.prompt, r.output_len) for k, r in enumerate(suffixes)]
 
 
 def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:

@@ -31,13 +31,15 @@ log = logging.getLogger(__name__)
 PARENT_ENV = "PIPESERVE_PARENT_PID"
 
 
-def local_group_config(config: EngineConfig) -> EngineConfig:
-    """Share one machine between S stages: threads and the memory-derived KV budget per stage."""
+def local_group_config(config: EngineConfig, processes: int | None = None) -> EngineConfig:
+    """Share one machine between `processes` stage processes (default: the group's S stages):
+    threads and the memory-derived KV budget per stage, unless the caller set them."""
+    n = processes if processes is not None else config.stages
     changes: dict = {}
     if config.num_threads is None:
-        changes["num_threads"] = max(1, (os.cpu_count() or 1) // config.stages)
+        changes["num_threads"] = max(1, (os.cpu_count() or 1) // n)
     if config.num_kv_blocks is None and config.kv_cache_gb is None:
-        changes["kv_cache_memory_fraction"] = config.kv_cache_memory_fraction / config.stages
+        changes["kv_cache_memory_fraction"] = config.kv_cache_memory_fraction / n
     return dataclasses.replace(config, **changes)
 
 

@@ -37,11 +37,11 @@ from pipeserve.config import (
     config_from_args,
 )
 from pipeserve.errors import ConfigError
+from pipeserve.stage.launcher import local_group_config
 from pipeserve.supervisor.group import GroupSlot
 
 log = logging.getLogger("pipeserve.up")
 
-_UP_ENGINE_SKIP = {"model", "stages", "log_dir"}
 DEMO_MODEL_NAME = "pipeserve-demo"
 
 
@@ -68,7 +68,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--max-concurrency", type=int, default=RouterConfig.max_concurrency)
     u.add_argument("--drain-timeout", type=float, default=StageServeConfig.drain_timeout_s, metavar="SEC")
     u.add_argument("--log-dir", default=None, help="stage logs go to DIR/group-G-stage-K.log")
-    add_config_args(u, EngineConfig, skip=_UP_ENGINE_SKIP)
+    add_config_args(u, EngineConfig)
     u.set_defaults(func=run_up)
 
 
@@ -79,15 +79,10 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeCon
         raise ConfigError(f"replicas: must be >= 1 (got {args.replicas})")
     model = args.model or str(default_demo_model())
     name = args.served_model_name or (args.model or DEMO_MODEL_NAME)
-    engine = config_from_args(EngineConfig, args, skip=_UP_ENGINE_SKIP, model=model, stages=args.stages)
+    engine = config_from_args(EngineConfig, args, model=model, stages=args.stages)
     engine = dataclasses.replace(engine, log_dir=args.log_dir)
-    procs = args.stages * args.replicas
-    changes: dict = {}
-    if engine.num_threads is None:  # the machine is shared by every stage of every group
-        changes["num_threads"] = max(1, (os.cpu_count() or 1) // procs)
-    if engine.num_kv_blocks is None and engine.kv_cache_gb is None:
-        changes["kv_cache_memory_fraction"] = engine.kv_cache_memory_fraction / procs
-    engine = dataclasses.replace(engine, **changes)
+    # The machine is shared by every stage of every group.
+    engine = local_group_config(engine, processes=args.stages * args.replicas)
     serve = StageServeConfig(
         host="127.0.0.1",  # stages are this process's children: their ports stay local
         wedge_timeout_s=args.wedge_timeout,
