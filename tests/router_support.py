@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
+from serving_support import wait_until
 
 from pipeserve.config import RouterConfig
 from pipeserve.router.app import build_app, uvicorn_server
@@ -137,14 +137,6 @@ class ScriptedStage(pb_grpc.GenerationServicer):
         return pb.LoadResponse(
             running=self.active + self.extra_running, waiting=0, kv_blocks_used=0, kv_blocks_total=64
         )
-
-
-def wait_until(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s}s")
-        time.sleep(0.02)
 
 
 class RouterHarness:

@@ -22,6 +22,17 @@ from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.supervisor.group import GroupSlot, free_port
 
 
+def wait_until(
+    cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition", interval_s: float = 0.02
+) -> None:
+    """Poll cond() until it is true; fails the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s}s")
+        time.sleep(interval_s)
+
+
 def wait_http(
     url: str, timeout_s: float, status: int = 200, alive: Callable[[], object] = lambda: None
 ) -> httpx.Response:

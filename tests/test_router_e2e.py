@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness, wait_until
-from serving_support import generate, greedy_request, metric, stub, wait_http
+from router_support import RouterHarness
+from serving_support import generate, greedy_request, metric, stub, wait_http, wait_until
 
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.router.tokenizer import TokenizerAssets

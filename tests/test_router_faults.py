@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness, ScriptedStage, wait_until
-from serving_support import metric
+from router_support import RouterHarness, ScriptedStage
+from serving_support import metric, wait_until
 
 from pipeserve.router.tokenizer import TokenizerAssets
 

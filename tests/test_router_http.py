@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness, ScriptedStage, wait_until
+from router_support import RouterHarness, ScriptedStage
+from serving_support import wait_until
 
 from pipeserve.router.tokenizer import TokenizerAssets
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from serving_support import generate, greedy_request, live_group, metric, stub, wait_http
+from serving_support import generate, greedy_request, live_group, metric, stub, wait_http, wait_until
 
 from conftest import hf_greedy
 from pipeline_support import wait_dead
@@ -88,16 +88,13 @@ def test_sigterm_drains_running_requests_then_the_ring_stops_cleanly(llama_dir: 
 
         t = threading.Thread(target=long_request)
         t.start()
-        deadline = time.monotonic() + 30
-        while metric(httpx.get(slot.health_url(0) + "/metrics").text, "pipeserve_requests_running") != 1:
-            assert time.monotonic() < deadline, "the long request never started"
-            time.sleep(0.05)
+        metrics = slot.health_url(0) + "/metrics"
+        running = "pipeserve_requests_running"
+        wait_until(lambda: metric(httpx.get(metrics).text, running) == 1, 30, "the long request", 0.05)
         procs = slot.group.procs  # type: ignore[union-attr]
         procs[0].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while httpx.get(slot.health_url(0) + "/readyz").json()["phase"] != "draining":
-            assert time.monotonic() < deadline, "stage 0 never started draining"
-            time.sleep(0.05)
+        readyz = slot.health_url(0) + "/readyz"
+        wait_until(lambda: httpx.get(readyz).json()["phase"] == "draining", 10, "draining", 0.05)
         with pytest.raises(grpc.RpcError) as err:
             generate(s, greedy_request("late", prompt, 2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_support import UpProcess, metric
+from serving_support import UpProcess, metric, wait_until
 
 from pipeline_support import pid_alive, wait_dead
 
@@ -97,10 +97,7 @@ def _running(group: dict) -> float:
 
 
 def _until_running(up: UpProcess, group: dict, n: int) -> None:
-    deadline = time.monotonic() + 60
-    while _running(group) < n:
-        assert time.monotonic() < deadline, "the long requests never ran"
-        time.sleep(0.05)
+    wait_until(lambda: _running(group) >= n, 60, "the long requests running", interval_s=0.05)
 
 
 def test_killed_then_frozen_stage_restarts_the_whole_group(llama_dir: Path, tmp_path: Path) -> None:
@@ -186,10 +183,7 @@ def test_two_groups_one_lost_requests_keep_succeeding_and_sigterm_leaves_no_orph
         out: list = []
         t = threading.Thread(target=_stream, args=(up.url, model, [3, 4, 5], 300, out))
         t.start()
-        deadline = time.monotonic() + 30
-        while not any(_running(g) for g in up.groups()):
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.05)
+        wait_until(lambda: any(_running(g) for g in up.groups()), 30, "the request running", 0.05)
     finally:
         code = up.stop(signal.SIGTERM)
     t.join(30)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from serving_support import greedy_request, live_group, stub
+from serving_support import greedy_request, live_group, stub, wait_until
 
 from pipeline_support import pid_alive
 from pipeserve.stage.wedge import EXIT_WEDGED, WedgeDetector
@@ -30,13 +30,6 @@ class _Work:
         return WedgeDetector("stage 9", lambda: self.pending, timeout_s, grace_s, exit_fn=self.exits.append)
 
 
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return bool(cond())
-
-
 def test_pending_without_progress_is_one_report_then_exit(caplog: pytest.LogCaptureFixture) -> None:
     work = _Work()
     det = work.detector(timeout_s=0.4, grace_s=0.3)
@@ -44,9 +37,10 @@ def test_pending_without_progress_is_one_report_then_exit(caplog: pytest.LogCapt
     det.start()
     work.pending = "3 plans in the ring"
     t0 = time.monotonic()
-    assert _wait(lambda: det.wedged, 3.0)
+    wait_until(lambda: det.wedged, 3.0, "the wedge")
     assert 0.4 <= time.monotonic() - t0 < 1.5
-    assert _wait(lambda: work.exits, 2.0) and work.exits == [EXIT_WEDGED]
+    wait_until(lambda: work.exits, 2.0, "the exit")
+    assert work.exits == [EXIT_WEDGED]
     reports = [r for r in caplog.records if r.getMessage().startswith("WEDGE:")]
     assert len(reports) == 1
     text = reports[0].getMessage()
@@ -74,7 +68,7 @@ def test_idle_is_never_a_wedge_and_the_clock_starts_when_work_arrives() -> None:
     work.pending = "1 queued command"
     time.sleep(0.2)  # work is younger than the timeout: not a wedge yet
     assert not det.wedged
-    assert _wait(lambda: det.wedged, 2.0)
+    wait_until(lambda: det.wedged, 2.0, "the wedge")
     det.stop()
 
 
@@ -98,7 +92,8 @@ def test_frozen_stage_is_caught_by_stage_0_which_goes_red_and_exits(llama_dir: P
         procs[1].send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
         try:
-            assert _wait(lambda: httpx.get(slot.health_url(0) + "/livez").status_code == 503, 10)
+            livez = slot.health_url(0) + "/livez"
+            wait_until(lambda: httpx.get(livez).status_code == 503, 10, "/livez 503", interval_s=0.1)
             body = httpx.get(slot.health_url(0) + "/livez").json()
             assert body["status"] == "wedged" and "plans in the ring" in body["report"]
             assert procs[0].wait(timeout=10) == EXIT_WEDGED
