@@ -31,7 +31,7 @@ from pipeserve.errors import EXIT_GROUP_STOP, InvalidRequestError
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.stage.engine_loop import Delta, EngineLoop, NotServing, Overloaded
+from pipeserve.stage.engine_loop import Delta, EngineLoop, NotServing, Overloaded, Phase
 from pipeserve.stage.group import Rendezvous
 from pipeserve.stage.health import Metric, StageStatus
 from pipeserve.stage.wedge import WedgeDetector
@@ -121,7 +121,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         s = self.loop.stats
         return pb.HealthResponse(
-            ready=self.loop.status == "ready",
+            ready=self.loop.phase is Phase.READY,
             status=self.loop.status,
             model=self.model_name,
             max_model_len=self.max_model_len,
