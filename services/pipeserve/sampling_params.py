@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from pipeserve.errors import InvalidRequestError
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
+# temperature whose reciprocal leaves float32 would make inf/NaN probabilities.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -59,4 +63,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
