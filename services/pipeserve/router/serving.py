@@ -24,8 +24,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from pipeserve.detokenize import TextStream
 from pipeserve.router import errors
-from pipeserve.router.detokenize import TextStream
 from pipeserve.router.errors import APIError
 from pipeserve.router.responses import ChoiceResult, TokenLP
 from pipeserve.router.tokenizer import TokenizerAssets

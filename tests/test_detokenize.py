@@ -1,4 +1,4 @@
-"""Router detokenizer with the demo checkpoint's real byte-level BPE tokenizer."""
+"""Incremental detokenizer and stop strings with the demo checkpoint's real byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.router.detokenize import REPLACEMENT, IncrementalDetokenizer, TextStream, held_suffix
+from pipeserve.detokenize import REPLACEMENT, IncrementalDetokenizer, TextStream, held_suffix
 from pipeserve.router.tokenizer import TokenizerAssets
 
 MIXED = "Hello 🙂 world! 你好，世界 👍🏽 café — naïve ∑ ok"
