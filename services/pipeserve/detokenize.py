@@ -19,13 +19,24 @@ leading space) decode the tail exactly as they would inside the full text.
 string can still begin in it, and when one appears it trims the stop string
 and everything after it and stops. Both the streaming and the blocking paths
 use it, so streamed deltas always concatenate to the blocking text.
+
+Stop strings cost linear time: a `StopMatcher` (Aho-Corasick over the stop
+strings) scans each new character once, and its state is the held suffix, so
+no token rescans the text or the stop strings (vLLM bounds its search to a
+tail window the same way). A request carries at most MAX_STOP_STRINGS stop
+strings of MAX_STOP_CHARS characters in all (the automaton's size).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
+# Caps on a request's stop strings (SamplingParams.validate enforces them): matching is linear in the
+# generated text whatever the stops, but building the automaton costs time and memory per character.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192  # total characters over all stop strings
 
 
 class IncrementalDetokenizer:
@@ -55,7 +66,11 @@ class IncrementalDetokenizer:
 
 
 def held_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string.
+
+    The plain definition, O(len(stops) x longest^2) per call: the reference the tests check
+    StopMatcher against. Streams use StopMatcher, which keeps the same answer incrementally.
+    """
     best = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), best, -1):
@@ -65,13 +80,80 @@ def held_suffix(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class StopMatcher:
+    """An Aho-Corasick automaton over the stop strings; immutable once built, so streams share it.
+
+    A state is a trie node, standing for the longest suffix of the text scanned so far that is a
+    prefix of some stop string (`depth[state]` characters: exactly `held_suffix`). `scan` takes one
+    transition per character plus failure steps, and failure steps never outnumber the characters
+    scanned before them, so a stream's whole matching work is linear in its text, whatever the stop
+    strings. Transitions live in one dict keyed by (node << 21 | code point): ~100 bytes a node.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.next: dict[int, int] = {}
+        self.depth = [0]
+        self.done = [0]  # 0, or the length of the longest stop string ending at this node
+        children: list[list[tuple[int, int]]] = [[]]
+        for s in stops:
+            node = 0
+            for ch in s:
+                key = node << 21 | ord(ch)
+                child = self.next.get(key)
+                if child is None:
+                    child = self.next[key] = len(self.depth)
+                    children[node].append((ord(ch), child))
+                    children.append([])
+                    self.depth.append(self.depth[node] + 1)
+                    self.done.append(0)
+                node = child
+            self.done[node] = len(s)
+        self.fail = [0] * len(self.depth)
+        order = [child for _, child in children[0]]
+        for u in order:  # breadth first: a failure target is shallower, so it is final before it is read
+            for c, v in children[u]:
+                f = self.fail[u]
+                while f and (f << 21 | c) not in self.next:
+                    f = self.fail[f]
+                self.fail[v] = self.next.get(f << 21 | c, 0)
+                if not self.done[v]:
+                    self.done[v] = self.done[self.fail[v]]  # a shorter stop string ends here
+                order.append(v)
+
+    def scan(self, state: int, text: str, begin: int) -> tuple[int, int, int]:
+        """Walk text[begin:] from `state`. Returns (the new state, the earliest start of a stop string
+        ending in text[begin:] or -1, the transitions taken)."""
+        nxt, fail, done = self.next, self.fail, self.done
+        first = -1
+        steps = 0
+        for i in range(begin, len(text)):
+            c = ord(text[i])
+            while state and (state << 21 | c) not in nxt:
+                state = fail[state]
+                steps += 1
+            state = nxt.get(state << 21 | c, 0)
+            steps += 1
+            if done[state]:
+                # The longest stop string ending here starts earliest; one ending later may start earlier.
+                start = i + 1 - done[state]
+                first = start if first < 0 else min(first, start)
+        return state, first, steps
+
+
+@functools.lru_cache(maxsize=16)  # identical stop lists (a client's retries, a batch) build once
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    return StopMatcher(stops)
+
+
 class TextStream:
     """Detokenized text of one choice, with stop strings applied; see the module docstring."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
         self._detok = IncrementalDetokenizer(decode)
-        self._stops = [s for s in stops if s]
-        self._longest = max((len(s) for s in self._stops), default=0)
+        stops = tuple(s for s in stops if s)
+        self._matcher = stop_matcher(stops) if stops else None
+        self._state = 0  # the matcher's state after `text`
+        self.steps = 0  # matcher transitions taken so far: linear in len(text) (tests bound it)
         self.text = ""  # decoded text so far, trimmed at a stop string once one is found
         self.sent = 0  # characters of `text` released to the caller
         self.stopped = False  # a stop string was found: no more tokens are accepted
@@ -91,17 +173,20 @@ class TextStream:
         return self._advance(self._detok.flush(), final=True)
 
     def _advance(self, new: str, final: bool) -> str:
-        # A match that ends in `new` starts at most longest-1 characters before it.
-        start = max(0, len(self.text) - self._longest + 1)
+        begin = len(self.text)
         self.text += new
-        if self._stops and new:
-            hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
-            if hits:
-                cut = max(min(hits), self.sent)
+        held = 0
+        if self._matcher is not None:
+            # Only `new` is scanned: the state carries what the text before it can still contribute.
+            self._state, hit, steps = self._matcher.scan(self._state, self.text, begin)
+            self.steps += steps
+            if hit >= 0:
+                cut = max(hit, self.sent)
                 self.text = self.text[:cut]
                 self.stopped = True
                 return self._release(cut)
-        end = len(self.text) if final else len(self.text) - held_suffix(self.text, self._stops)
+            held = self._matcher.depth[self._state]
+        end = len(self.text) if final else len(self.text) - held
         return self._release(max(end, self.sent))
 
     def _release(self, end: int) -> str:
