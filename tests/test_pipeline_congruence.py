@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.errors import EXIT_GROUP_STOP
+from pipeserve.errors import ExitCode
 
 
 class Stage:
@@ -67,7 +67,7 @@ def test_different_checkpoints_stop_the_group_naming_both_fingerprints(
         Stage(tmp_path, 1, args(qwen2_dir, 1, 2, rdzv, "--num-kv-blocks", "32")),
     ]
     codes = [s.finish(60) for s in stages]
-    assert codes == [EXIT_GROUP_STOP, EXIT_GROUP_STOP], [s.text() for s in stages]
+    assert codes == [ExitCode.GROUP_STOP, ExitCode.GROUP_STOP], [s.text() for s in stages]
     for s in stages:
         line = next(x for x in s.text().splitlines() if "GROUP STOP" in x)
         assert "congruence: model fingerprint differs: stage 0 has '" in line
@@ -80,7 +80,7 @@ def test_different_layer_splits_stop_the_group_naming_both(llama_dir: Path, tmp_
         Stage(tmp_path, 0, args(llama_dir, 0, 2, rdzv, "--num-kv-blocks", "32", "--layer-split", "0:2,2:4")),
         Stage(tmp_path, 1, args(llama_dir, 1, 2, rdzv, "--num-kv-blocks", "32", "--layer-split", "0:1,1:4")),
     ]
-    assert [s.finish(60) for s in stages] == [EXIT_GROUP_STOP] * 2
+    assert [s.finish(60) for s in stages] == [ExitCode.GROUP_STOP] * 2
     for s in stages:
         assert "layer split differs: stage 0 has '0:2,2:4', stage 1 has '0:1,1:4'" in s.text()
 
@@ -120,7 +120,7 @@ def test_a_missing_stage_is_named_when_the_group_cannot_form(llama_dir: Path, tm
     extra = ("--num-kv-blocks", "32", "--connect-timeout-s", "4")
     stages = [Stage(tmp_path, r, args(llama_dir, r, 3, rdzv, *extra)) for r in (0, 1)]
     t0 = time.monotonic()
-    assert [s.finish(60) for s in stages] == [EXIT_GROUP_STOP] * 2
+    assert [s.finish(60) for s in stages] == [ExitCode.GROUP_STOP] * 2
     assert time.monotonic() - t0 < 40
     for s in stages:
         assert "group did not form within 4s (stages not joined: [2])" in s.text(), s.text()

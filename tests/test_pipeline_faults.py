@@ -27,7 +27,7 @@ from pipeline_support import (
     wait_dead,
 )
 from pipeserve import LLM, SamplingParams
-from pipeserve.errors import EXIT_GROUP_STOP, GroupStopped
+from pipeserve.errors import ExitCode, GroupStopped
 from pipeserve.stage.faults import ENV, Faults
 
 RING_TIMEOUT = 3.0
@@ -79,7 +79,7 @@ def test_corrupted_plan_stops_the_whole_group(
         assert re.search(pattern, str(err.value)), str(err.value)
         assert not wait_dead(pids, 15), "a stage outlived the group stop"
         assert time.monotonic() - t0 < 15
-        assert set(llm.group.exited().values()) == {EXIT_GROUP_STOP}
+        assert set(llm.group.exited().values()) == {ExitCode.GROUP_STOP}
         if detector > 0:  # stage 0's line is the error checked above
             lines = group_stop_lines(stage_log(tmp_path, detector))
             assert len(lines) == 1 and re.search(pattern, lines[0]), lines
@@ -111,7 +111,7 @@ def test_killed_stage_stops_the_others_within_the_deadline(
         others = [pid for rank, pid in pids.items() if rank != victim]
         assert not wait_dead(others, RING_TIMEOUT + 5), "a stage kept waiting on a dead peer"
         assert time.monotonic() - t0 < RING_TIMEOUT + 5
-        assert all(rc == EXIT_GROUP_STOP for r, rc in llm.group.exited().items() if r != victim)
+        assert all(rc == ExitCode.GROUP_STOP for r, rc in llm.group.exited().items() if r != victim)
     finally:
         llm.shutdown()
 

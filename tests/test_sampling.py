@@ -85,7 +85,7 @@ def test_sampler_draws_from_distribution() -> None:
     spec = SamplingSpec(1.0, -1, 1.0, 0.0, None, None)
     counts = torch.zeros(4)
     for _ in range(2000):
-        counts[sampler(logits, ["r"], [spec], [0])[0].token_id] += 1
+        counts[sampler(logits, ["r"], [spec], [0])[0][0].token_id] += 1
     freq = counts / counts.sum()
     assert torch.allclose(freq[:3], torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
     assert counts[3] == 0

@@ -18,7 +18,8 @@ import pytest
 from serving_support import greedy_request, live_group, stub, wait_until
 
 from pipeline_support import pid_alive
-from pipeserve.stage.wedge import EXIT_WEDGED, WedgeDetector
+from pipeserve.errors import ExitCode
+from pipeserve.stage.wedge import WedgeDetector
 
 
 class _Work:
@@ -40,7 +41,7 @@ def test_pending_without_progress_is_one_report_then_exit(caplog: pytest.LogCapt
     wait_until(lambda: det.wedged, 3.0, "the wedge")
     assert 0.4 <= time.monotonic() - t0 < 1.5
     wait_until(lambda: work.exits, 2.0, "the exit")
-    assert work.exits == [EXIT_WEDGED]
+    assert work.exits == [ExitCode.WEDGED]
     reports = [r for r in caplog.records if r.getMessage().startswith("WEDGE:")]
     assert len(reports) == 1
     text = reports[0].getMessage()
@@ -96,7 +97,7 @@ def test_frozen_stage_is_caught_by_stage_0_which_goes_red_and_exits(llama_dir: P
             wait_until(lambda: httpx.get(livez).status_code == 503, 10, "/livez 503", interval_s=0.1)
             body = httpx.get(slot.health_url(0) + "/livez").json()
             assert body["status"] == "wedged" and "plans in the ring" in body["report"]
-            assert procs[0].wait(timeout=10) == EXIT_WEDGED
+            assert procs[0].wait(timeout=10) == ExitCode.WEDGED
             took = time.monotonic() - frozen_at
             assert took < 3.0 + 2.0 + 3.0, f"stage 0 exited {took:.1f}s after the freeze"
             t.join(10)

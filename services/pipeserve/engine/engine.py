@@ -18,8 +18,8 @@ from pipeserve.engine.block_manager import BlockManager
 from pipeserve.engine.executor import LocalExecutor
 from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.request import FinishReason, Request
-from pipeserve.engine.scheduler import Scheduler
-from pipeserve.errors import ConfigError, InvalidRequestError
+from pipeserve.engine.scheduler import ResultMismatch, Scheduler
+from pipeserve.errors import ConfigError, GroupStopped, InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.group import Rendezvous
 from pipeserve.stage.leader import PipelineExecutor
@@ -121,7 +121,18 @@ class LLMEngine:
                         f"digest {plan.digest:#x}, stages reported {diverged}"
                     )
                 self.stage_reports = list(output.reports)
-                return self.scheduler.update(plan, output)
+                try:
+                    return self.scheduler.update(plan, output)
+                except ResultMismatch as e:
+                    self.executor.stop_group(str(e))
+                    raise  # unreachable: stop_group raises GroupStopped
+
+    def stop_group(self, reason: str) -> None:
+        """Stop every stage of the group (stage 0 cannot go on); never raises."""
+        try:
+            self.executor.stop_group(reason)
+        except GroupStopped:
+            pass
 
     def shutdown(self) -> None:
         """Stop the executors (the stage processes exit cleanly); idempotent."""

@@ -6,20 +6,27 @@ does not fit its state — an unknown or duplicate request, a block id outside
 the pool, positions that skip or rewind, inputs whose row count differs from
 the plan's tokens — raises PlanMismatch naming the mismatch; on a follower
 that is a group stop, never a local repair.
+
+A failure attributable to one request (its sampling, or `request_check` — a
+test hook that fails or crashes on chosen requests) is not a mismatch: the
+stage still computes every row of the plan, and reports the request in its
+StageReport's `failed` list for stage 0 to finish with an error.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from pipeserve.engine.plan import (
+    RequestFailure,
     SampledToken,
     SamplingSpec,
+    ScheduledChunk,
     StageReport,
     StepOutput,
     StepPlan,
@@ -100,6 +107,8 @@ class ModelRunner:
         self.block_refs: dict[int, int] = {}
         self.meter = BusyMeter()
         self._workspace: torch.Tensor | None = None
+        # Per-chunk check before execution: a reason to fail the chunk's request, or None (faults.py).
+        self.request_check: Callable[[ScheduledChunk], str | None] | None = None
 
     # --- plan -> state ------------------------------------------------------
     def apply(self, plan: StepPlan) -> int:
@@ -245,12 +254,27 @@ class ModelRunner:
         return self.model(x, step.batch, self.kv_pool)
 
     @torch.inference_mode()
-    def sample(self, step: PreparedStep, hidden: torch.Tensor) -> list[SampledToken]:
-        if not step.sample_req_ids:
+    def sample(
+        self, step: PreparedStep, hidden: torch.Tensor, failed: set[str]
+    ) -> tuple[list[SampledToken], list[RequestFailure]]:
+        """Sample every row of `step` whose request has not failed on this stage already."""
+        rows = [i for i, r in enumerate(step.sample_req_ids) if r not in failed]
+        if not rows:
+            return [], []
+        logits = self.model.compute_logits(hidden[step.sample_rows[rows]])
+        req_ids = [step.sample_req_ids[i] for i in rows]
+        specs = [self.reqs[r].sampling for r in req_ids]
+        tokens, failures = self.sampler(logits, req_ids, specs, [step.sample_indices[i] for i in rows])
+        return tokens, [RequestFailure(f.req_id, f.reason) for f in failures]
+
+    def _check_requests(self, plan: StepPlan) -> list[RequestFailure]:
+        if self.request_check is None:
             return []
-        logits = self.model.compute_logits(hidden[step.sample_rows])
-        specs = [self.reqs[r].sampling for r in step.sample_req_ids]
-        return self.sampler(logits, step.sample_req_ids, specs, step.sample_indices)
+        failed = []
+        for c in plan.chunks:
+            if (reason := self.request_check(c)) is not None:
+                failed.append(RequestFailure(c.req_id, f"stage {self.rank}: {reason}"))
+        return failed
 
     def run(
         self, plan: StepPlan, inputs: torch.Tensor | None = None
@@ -265,17 +289,25 @@ class ModelRunner:
             digest = self.apply(plan)
             hidden = None
             sampled: list[SampledToken] = []
+            failed = self._check_requests(plan)
             if plan.chunks:
                 step = self.prepare(plan)
                 hidden = self.forward(step, inputs)
                 if self.model.stage.is_last:
-                    sampled = self.sample(step, hidden)
+                    sampled, sample_failures = self.sample(step, hidden, {f.req_id for f in failed})
+                    failed += sample_failures
                     hidden = None
-        return hidden, sampled, self.report(digest)
+        return hidden, sampled, self.report(digest, failed)
 
-    def report(self, digest: int) -> StageReport:
+    def report(self, digest: int, failed: list[RequestFailure] | None = None) -> StageReport:
         return StageReport(
-            self.rank, digest, len(self.reqs), len(self.block_refs), self.meter.busy_s, self.meter.wall_s
+            self.rank,
+            digest,
+            len(self.reqs),
+            len(self.block_refs),
+            self.meter.busy_s,
+            self.meter.wall_s,
+            failed or [],
         )
 
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -69,6 +69,17 @@ class SampledToken(msgspec.Struct, array_like=True, frozen=True):
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
+    """One request failed on one stage (sampling, logprobs, ...): the request's failure, not the group's.
+
+    The stage still computes the request's rows of the plan (a batch in flight is never
+    amended); stage 0 finishes the request with this reason and frees it with the next plan.
+    """
+
+    req_id: str
+    reason: str
+
+
 class StageReport(msgspec.Struct, array_like=True, frozen=True):
     """What one stage says about a step it executed; travels along the ring to stage 0."""
 
@@ -78,6 +89,7 @@ class StageReport(msgspec.Struct, array_like=True, frozen=True):
     blocks_held: int  # distinct KV blocks those tables reference
     busy_s: float  # cumulative seconds spent executing plans
     wall_s: float  # seconds since the stage executed its first plan
+    failed: list[RequestFailure] = []  # requests of this plan that failed on this stage
 
 
 class StepOutput(msgspec.Struct, frozen=True):

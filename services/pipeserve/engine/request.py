@@ -28,6 +28,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, stop token or stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
+    ERROR = "error"  # the request failed (on any stage); `Request.error` says why
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Request:
     # Executors hold this request in their tables (it was sent as a NewRequest
     # and not freed since). Preemption and finish clear it via plan.freed.
     in_executors: bool = False
+    error: str | None = None  # why the request failed (finish_reason ERROR)
 
     @property
     def all_token_ids(self) -> list[int]:

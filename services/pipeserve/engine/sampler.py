@@ -7,14 +7,43 @@ requests draw from the stage's generator.
 
 Logprobs are taken from the raw (unscaled, unfiltered) distribution, as vLLM
 does by default.
+
+No accepted parameter can produce NaN/inf probabilities:
+* temperature < SAMPLING_EPS samples greedily (vLLM's rule); larger ones are
+  clamped to MAX_TEMPERATURE, where the distribution is already uniform to
+  float32 precision (so 1e300 does not become inf in float32);
+* logits are float32 and non-finite values are replaced before scaling
+  (NaN -> -inf never wins, +inf -> the largest float);
+* every filter keeps the most probable token, so a row is never all -inf:
+  top_p tiny keeps one token, min_p = 1 keeps the maxima, top_k beyond the
+  vocabulary keeps everything.
+
+Failure isolation (DESIGN §2.5): a request's failure is the request's. The
+batch is sampled in one pass; if that raises, each row is sampled on its own
+and only the rows that still raise fail, reported as `SampleFailure`s that
+travel along the ring to stage 0, which finishes those requests with an error.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from pipeserve.engine.plan import SampledToken, SamplingSpec
+from pipeserve.sampling_params import SAMPLING_EPS
+
+log = logging.getLogger(__name__)
+
+MAX_TEMPERATURE = 1e4  # logits / 1e4 differ by < 1e-2 for any sane logit range: uniform already
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    req_id: str
+    reason: str
 
 
 def _token_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -22,13 +51,28 @@ def _token_generator(seed: int, index: int, device: torch.device) -> torch.Gener
     return torch.Generator(device=device).manual_seed(mixed)
 
 
+def is_greedy(spec: SamplingSpec) -> bool:
+    return spec.temperature < SAMPLING_EPS or spec.top_k == 1
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits with NaN -> -inf and +inf -> the largest float32 (argmax stays meaningful)."""
+    logits = logits.float()
+    big = torch.finfo(torch.float32).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+
+
 def _filter(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on [R, V] float32 logits -> probabilities."""
+    """Temperature, top-k, top-p, min-p on [R, V] float32 logits -> probabilities (rows sum to 1)."""
     dev = logits.device
     vocab = logits.shape[-1]
-    temps = torch.tensor([s.temperature for s in specs], device=dev, dtype=torch.float32)
+    temps = torch.tensor(
+        [min(max(s.temperature, SAMPLING_EPS), MAX_TEMPERATURE) for s in specs], device=dev
+    ).float()
+    # Subtract each row's max first: the scaled logits are <= 0, so exp() cannot overflow.
+    logits = logits - logits.max(dim=-1, keepdim=True).values
     logits = logits / temps[:, None]
-    top_k = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=dev)
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in specs], device=dev)
     top_p = torch.tensor([s.top_p for s in specs], device=dev, dtype=torch.float32)
     min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=torch.float32)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -57,10 +101,28 @@ class Sampler:
         req_ids: list[str],
         specs: list[SamplingSpec],
         sample_indices: list[int],
+    ) -> tuple[list[SampledToken], list[SampleFailure]]:
+        """logits [R, V], one row per request to sample -> (tokens, failures); each row is in exactly one."""
+        logits = _finite(logits)
+        try:
+            return self._sample(logits, req_ids, specs, sample_indices), []
+        except Exception:  # isolate the row(s) that raise, below
+            log.warning("batched sampling failed; sampling %d rows one by one", len(req_ids), exc_info=True)
+        tokens: list[SampledToken] = []
+        failures: list[SampleFailure] = []
+        for i, rid in enumerate(req_ids):
+            try:
+                tokens += self._sample(logits[i : i + 1], [rid], [specs[i]], [sample_indices[i]])
+            except Exception as e:  # the request's failure, not the group's
+                log.exception("request %s: sampling failed", rid)
+                failures.append(SampleFailure(rid, f"sampling failed: {type(e).__name__}: {e}"))
+        return tokens, failures
+
+    def _sample(
+        self, logits: torch.Tensor, req_ids: list[str], specs: list[SamplingSpec], sample_indices: list[int]
     ) -> list[SampledToken]:
-        """logits [R, V] float32, one row per request to sample."""
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(specs) if not (s.temperature == 0 or s.top_k == 1)]
+        random_rows = [i for i, s in enumerate(specs) if not is_greedy(s)]
         if random_rows:
             probs = _filter(logits[random_rows], [specs[i] for i in random_rows])
             for j, i in enumerate(random_rows):
@@ -75,7 +137,7 @@ class Sampler:
         if want_lp:
             lps = logits[want_lp].log_softmax(dim=-1)
             chosen = lps.gather(1, tokens[want_lp][:, None])[:, 0].tolist()
-            kmax = max(specs[i].logprobs or 0 for i in want_lp)
+            kmax = min(max(specs[i].logprobs or 0 for i in want_lp), lps.shape[-1])
             top_v, top_i = lps.topk(kmax, dim=-1) if kmax else (None, None)
             for j, i in enumerate(want_lp):
                 k = specs[i].logprobs or 0

@@ -37,6 +37,10 @@ from pipeserve.engine.plan import (
 from pipeserve.engine.request import FinishReason, Request, RequestStatus
 
 
+class ResultMismatch(RuntimeError):
+    """A step's result contradicts its plan: a protocol failure (the group stops)."""
+
+
 def sampling_spec(req: Request) -> SamplingSpec:
     p = req.params
     # Exact field types: the digest covers the encoding, and followers re-encode what
@@ -202,9 +206,13 @@ class Scheduler:
 
     # --- update -------------------------------------------------------------
     def update(self, plan: StepPlan, output: StepOutput) -> list[Request]:
+        """Apply a plan's results. Requests that failed on any stage (their reports'
+        `failed`) finish with FinishReason.ERROR; a result that contradicts the plan
+        (another step, a missing token) raises ResultMismatch: the group's failure."""
         if output.step_id != plan.step_id:
-            raise RuntimeError(f"output of step {output.step_id} applied to plan {plan.step_id}")
+            raise ResultMismatch(f"output of step {output.step_id} applied to plan {plan.step_id}")
         sampled = {s.req_id: s for s in output.sampled}
+        failed = {f.req_id: f.reason for r in output.reports for f in r.failed}
         finished: list[Request] = []
         self._inflight_tokens -= plan.num_tokens
         for chunk in plan.chunks:
@@ -212,13 +220,18 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_inflight -= 1
+            if (reason := failed.get(req.req_id)) is not None:
+                req.error = reason
+                self._finish(req, FinishReason.ERROR)
+                finished.append(req)
+                continue
             req.num_computed += len(chunk.token_ids)
             self.bm.commit_full_blocks(req)
             if chunk.sample_index < 0:
                 continue
             tok = sampled.get(req.req_id)
             if tok is None:
-                raise RuntimeError(f"step {plan.step_id}: no sampled token for {req.req_id}")
+                raise ResultMismatch(f"step {plan.step_id}: no sampled token for {req.req_id}")
             req.output_token_ids.append(tok.token_id)
             if req.params.logprobs is not None:
                 req.output_logprobs.append((tok.logprob, tok.top_logprobs))

@@ -7,15 +7,23 @@
   (`rpc_timeout_s` deadline).
 * Retry rule: a call that fails before its first message with UNAVAILABLE,
   DEADLINE_EXCEEDED (our deadline included), RESOURCE_EXHAUSTED or a broken
-  connection is retried once, on another routable group. INVALID_ARGUMENT and
-  other codes are never retried. Once a message has arrived nothing is retried:
-  the caller turns the failure into an error event or a 5xx.
+  connection is retried once, on another routable group — unless the request
+  saw its group die: stage 0 had admitted it (the call carries the ADMITTED_KEY
+  initial metadata) and the call then failed UNAVAILABLE. Such a request may be
+  what killed the group; carrying it to another group could kill that one too
+  (DESIGN §2.5), so it fails here. Other codes (INVALID_ARGUMENT,
+  ALREADY_EXISTS, INTERNAL: the request failed on a stage) are never retried.
+  Once a message has arrived nothing is retried: the caller turns the failure
+  into an error event or an HTTP error.
+* Only UNAVAILABLE takes a group out of routing: a client's error or one
+  request's failure says nothing about the group's health.
 * gRPC cancellation aborts the request on stage 0 (its KV blocks are freed), so
   `GenerateStream.close()` — synchronous, safe in a `finally` that runs under
   cancellation — is all a caller needs when it stops early (stop string, client
   gone).
-* Error mapping: INVALID_ARGUMENT ("param: message") -> 400 with that param;
-  RESOURCE_EXHAUSTED -> 429; UNAVAILABLE / DEADLINE_EXCEEDED -> 503; others 500.
+* Error mapping: INVALID_ARGUMENT ("param: message") and ALREADY_EXISTS -> 400
+  with that param; RESOURCE_EXHAUSTED -> 429; UNAVAILABLE / DEADLINE_EXCEEDED ->
+  503; INTERNAL (the request failed on a stage) and others -> 500.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pipeserve.router.errors import APIError
 from pipeserve.router.metrics import RouterMetrics
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.rpc.metadata import ADMITTED_KEY
 
 log = logging.getLogger("pipeserve.router")
 
@@ -41,15 +50,21 @@ RETRYABLE = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_E
 
 
 class UpstreamFailure(Exception):
-    def __init__(self, group: str, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, group: str, code: grpc.StatusCode, details: str, admitted: bool = False) -> None:
         super().__init__(f"group {group}: {code.name}: {details}")
         self.group = group
         self.code = code
         self.details = details
+        self.admitted = admitted  # stage 0 had admitted the request when the call failed
+
+    @property
+    def group_died(self) -> bool:
+        """The request was inside the group when the group failed: never carry it to another."""
+        return self.admitted and self.code == Code.UNAVAILABLE
 
 
 def to_api_error(f: UpstreamFailure) -> APIError:
-    if f.code == Code.INVALID_ARGUMENT:
+    if f.code in (Code.INVALID_ARGUMENT, Code.ALREADY_EXISTS):
         param, sep, message = f.details.partition(": ")
         return errors.invalid(param if sep else None, message if sep else f.details)
     if f.code == Code.RESOURCE_EXHAUSTED:
@@ -97,10 +112,14 @@ class GenerateStream:
             ) from None
         except grpc.aio.AioRpcError as e:
             self.close()
-            raise UpstreamFailure(self.group, e.code(), e.details() or "") from None
+            admitted = ADMITTED_KEY in dict(e.initial_metadata() or ())
+            raise UpstreamFailure(self.group, e.code(), e.details() or "", admitted) from None
         if msg is grpc.aio.EOF:
             self.close()
-            raise UpstreamFailure(self.group, Code.UNAVAILABLE, "stream ended without a finish_reason")
+            admitted = ADMITTED_KEY in dict(await call.initial_metadata() or ())
+            raise UpstreamFailure(
+                self.group, Code.UNAVAILABLE, "stream ended without a finish_reason", admitted
+            )
         if msg.finish_reason:
             # The call ends by itself with the last message: release it, do not cancel it.
             self.finished = True
@@ -145,7 +164,7 @@ class Upstream:
             except UpstreamFailure as f:  # the stream closed itself
                 last = f
                 self._failed(f, request_id)
-                if f.code not in RETRYABLE:
+                if f.code not in RETRYABLE or f.group_died:
                     raise to_api_error(f) from None
                 tried.append(group.name)
                 if attempt == 0 and self.replicas.ready_groups(exclude=tried):

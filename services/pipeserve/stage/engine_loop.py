@@ -10,8 +10,13 @@ must not block (the gRPC server's sink hands the delta to its asyncio loop).
 
 Invariants:
 - Every submitted request gets exactly one final delta: finished (stop,
-  length, abort) or an error (the group stopped, the server is shutting
-  down). A handler therefore never waits on a request the loop forgot.
+  length, abort) or an error whose `ErrorKind` says whose failure it is:
+  GROUP (the group stopped, the server is shutting down), INVALID (the
+  request did not validate when applied), FAILED (the request failed on some
+  stage: sampling, or an exception while publishing its tokens — the group
+  goes on). A handler therefore never waits on a request the loop forgot.
+- Request ids are unique among unfinished requests: a second submit of a
+  live id raises DuplicateRequest at once.
 - Aborting a request frees its blocks on every stage: the scheduler puts it
   in the next plan's `freed` list, which every follower applies.
 - `stats` is replaced (never mutated) after each pass, so other threads read
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeserve.engine.engine import LLMEngine
-from pipeserve.engine.request import Request
+from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
 
@@ -48,12 +53,23 @@ class NotServing(RuntimeError):
     """The loop is starting, draining or stopped; the message says which."""
 
 
+class DuplicateRequest(ValueError):
+    """A request with this id is still running."""
+
+
+class ErrorKind(enum.Enum):
+    GROUP = "group"  # the group stopped or shut down: not the request's fault
+    INVALID = "invalid"  # the request was refused when applied (client error)
+    FAILED = "failed"  # the request itself failed on some stage; the group keeps serving
+
+
 @dataclass(frozen=True)
 class Delta:
     token_ids: list[int]
     logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None
     finish_reason: str | None = None  # set on the last delta of a request
-    error: str | None = None  # the request ended because the group stopped or shut down
+    error: str | None = None  # the request ended without finishing: why
+    error_kind: ErrorKind = ErrorKind.GROUP
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -118,6 +134,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _queued and the phase checks of submit()
         self._wake = threading.Event()
         self._active: dict[str, _Active] = {}
+        self._live: set[str] = set()  # ids submitted and not yet given their final delta (under _lock)
         self._tokens = 0
         self._finished: dict[str, int] = {}
         self._last_token_at: float | None = None
@@ -134,6 +151,9 @@ class EngineLoop:
                 raise NotServing(self.status)
             if self.stats.waiting + self._queued >= self.max_waiting:
                 raise Overloaded(f"admission queue full ({self.max_waiting} waiting)")
+            if req_id in self._live:
+                raise DuplicateRequest(f"request id {req_id!r} is already running")
+            self._live.add(req_id)
             self._queued += 1
             self._commands.put(_Submit(req_id, list(prompt), params, sink))
         self._wake.set()
@@ -204,10 +224,12 @@ class EngineLoop:
         except GroupStopped as e:
             self.failed = True
             self.end(str(e))
-        except Exception as e:
+        except Exception as e:  # a bug on stage 0: the group cannot go on; tell the followers at once
             log.exception("engine loop failed")
+            reason = f"stage 0: engine loop failed: {type(e).__name__}: {e}"
             self.failed = True
-            self.end(f"engine loop failed: {type(e).__name__}: {e}")
+            self.end(reason)
+            self.engine.stop_group(reason)
         finally:
             self._fail_all(self.stop_reason or "server shutting down")
             if self.phase is not Phase.STOPPED:
@@ -229,13 +251,10 @@ class EngineLoop:
                 continue
             with self._lock:
                 self._queued -= 1
-            if cmd.req_id in self._active:
-                cmd.sink.push(Delta([], None, error=f"request id {cmd.req_id!r} is already running"))
-                continue
             try:
                 req = self.engine.add_request(cmd.prompt, cmd.params, cmd.req_id)
             except InvalidRequestError as e:  # validated at submit; a race with nothing else
-                cmd.sink.push(Delta([], None, error=str(e)))
+                self._final(cmd.req_id, cmd.sink, Delta([], None, error=str(e), error_kind=ErrorKind.INVALID))
                 continue
             self._active[cmd.req_id] = _Active(req, cmd.sink)
         self._update_stats()
@@ -243,8 +262,21 @@ class EngineLoop:
     def _publish(self) -> None:
         for req_id, active in list(self._active.items()):
             if len(active.req.output_token_ids) > active.sent or active.req.is_finished:
-                self._send(req_id, active)
+                try:
+                    self._send(req_id, active)
+                except Exception as e:  # one request's failure, not the group's
+                    log.exception("request %s: publishing its tokens failed", req_id)
+                    self.engine.abort(req_id)  # its blocks go back on every stage with the next plan
+                    self._active.pop(req_id, None)
+                    why = f"request failed on stage 0: {type(e).__name__}: {e}"
+                    self._final(req_id, active.sink, Delta([], None, error=why, error_kind=ErrorKind.FAILED))
         self._update_stats()
+
+    def _final(self, req_id: str, sink: Sink, delta: Delta) -> None:
+        """The request's last delta: its id may be submitted again from now on."""
+        with self._lock:
+            self._live.discard(req_id)
+        sink.push(delta)
 
     def _send(self, req_id: str, active: _Active) -> None:
         req = active.req
@@ -259,20 +291,26 @@ class EngineLoop:
         if finish is not None:
             del self._active[req_id]
             self._finished[finish] = self._finished.get(finish, 0) + 1
-        active.sink.push(
-            Delta(
-                list(new),
-                list(logprobs) if logprobs is not None else None,
-                finish,
-                prompt_tokens=len(req.prompt_token_ids) if first or finish else 0,
-                cached_tokens=req.num_cached_prompt_tokens if first or finish else 0,
-            )
+        if req.finish_reason is FinishReason.ERROR:
+            why = req.error or "the request failed"
+            self._final(req_id, active.sink, Delta([], None, error=why, error_kind=ErrorKind.FAILED))
+            return
+        delta = Delta(
+            list(new),
+            list(logprobs) if logprobs is not None else None,
+            finish,
+            prompt_tokens=len(req.prompt_token_ids) if first or finish else 0,
+            cached_tokens=req.num_cached_prompt_tokens if first or finish else 0,
         )
+        if finish is not None:
+            self._final(req_id, active.sink, delta)
+        else:
+            active.sink.push(delta)
 
     def _fail_all(self, reason: str) -> None:
         """Every request still owed a final delta gets one (queued submits included)."""
-        for active in self._active.values():
-            active.sink.push(Delta([], None, error=reason))
+        for req_id, active in self._active.items():
+            self._final(req_id, active.sink, Delta([], None, error=reason))
         self._active.clear()
         while True:
             try:
@@ -280,7 +318,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if isinstance(cmd, _Submit):
-                cmd.sink.push(Delta([], None, error=reason))
+                self._final(cmd.req_id, cmd.sink, Delta([], None, error=reason))
         with self._lock:
             self._queued = 0
 

@@ -18,17 +18,23 @@ the check it pins going red:
   no_deadline        waits use an hour instead of ring_timeout_s (breaks rule 4)
   no_heartbeat       an idle stage 0 sends no heartbeats (breaks rule 4's idle clause:
                      an idle group then stops on its own deadlines)
+  fail_token         stage `fail_rank` fails every request whose chunk holds this token id
+                     (a request's own failure: the group must keep serving, DESIGN §2.5)
+  crash_token        stage `crash_rank` raises an unexpected error when a chunk holds this
+                     token id (a poison request that kills its group: the router must not
+                     carry it to another group)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
 import torch
 
-from pipeserve.engine.plan import StageReport, StepPlan, seal
+from pipeserve.engine.plan import ScheduledChunk, StageReport, StepPlan, seal
 from pipeserve.errors import ConfigError
 
 ENV = "PIPESERVE_FAULTS"
@@ -43,6 +49,10 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     return_first: bool = False
     no_deadline: bool = False
     no_heartbeat: bool = False
+    fail_token: int | None = None
+    fail_rank: int = 0
+    crash_token: int | None = None
+    crash_rank: int = 0
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -53,6 +63,22 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return msgspec.json.decode(text, type=cls)
         except msgspec.ValidationError as e:
             raise ConfigError(f"{ENV}: {e}") from None
+
+    def request_check(self, rank: int) -> Callable[[ScheduledChunk], str | None] | None:
+        """The ModelRunner's per-chunk hook for stage `rank`, or None when no request fault applies."""
+        fail = self.fail_token if self.fail_rank == rank else None
+        crash = self.crash_token if self.crash_rank == rank else None
+        if fail is None and crash is None:
+            return None
+
+        def check(chunk: ScheduledChunk) -> str | None:
+            if crash is not None and crash in chunk.token_ids:
+                raise RuntimeError(f"injected crash on token {crash}")
+            if fail is not None and fail in chunk.token_ids:
+                return f"injected failure on token {fail}"
+            return None
+
+        return check
 
     def corrupts(self, rank: int, plan: StepPlan) -> bool:
         return (

@@ -11,8 +11,10 @@ For each frame from stage k-1, in arrival order:
   Stop       pass it on and exit: 0 for a clean shutdown, 3 for a group stop
 
 Any mismatch or link failure is a group stop: one log line naming it, a
-Stop(error) sent on to the next stage, exit status 3. Nothing is repaired
-locally (DESIGN.md section 2).
+Stop(error) sent on to the next stage, exit status 3 (an unexpected exception:
+the same Stop, its traceback, exit status 1). Nothing is repaired locally
+(DESIGN.md section 2). A failure of one request (its sampling on the last
+stage) is not a stop: the runner reports it and stage 0 fails the request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import StepOutput
-from pipeserve.errors import EXIT_GROUP_STOP, GroupStopped
+from pipeserve.errors import ExitCode, GroupStopped
 from pipeserve.stage.leader import warm_activation
 from pipeserve.stage.messages import Forward, Heartbeat, Hello, Result, Stop
 from pipeserve.stage.transport import RingLink
@@ -86,6 +88,10 @@ class Follower:
             return self._group_stop(str(e))
         except PlanMismatch as e:
             return self._group_stop(f"stage {self.rank}: {e}")
+        except Exception as e:  # a bug, not a request's fault (those are in reports): stop the group, loudly
+            log.exception("stage %d: unexpected error", self.rank)
+            self._group_stop(f"stage {self.rank}: unexpected {type(e).__name__}: {e}")
+            return ExitCode.INTERNAL_ERROR
 
     def _step(self, fwd: Forward, acts) -> None:
         plan = fwd.plan
@@ -114,7 +120,7 @@ class Follower:
             )
         if stop.error:
             log.error("stage %d: GROUP STOP from stage %d: %s", self.rank, stop.origin, stop.reason)
-            return EXIT_GROUP_STOP
+            return ExitCode.GROUP_STOP
         log.info("stage %d: shutdown", self.rank)
         return 0
 
@@ -125,4 +131,4 @@ class Follower:
             self.link.flush()
         except GroupStopped:
             pass  # the next stage is gone or stuck; its own deadline stops it
-        return EXIT_GROUP_STOP
+        return ExitCode.GROUP_STOP

@@ -50,12 +50,15 @@ class StageStatus:
     world_size: int
     phase: str = "loading"  # loading, joining, ready, draining, stopped
     detector: WedgeDetector | None = None
+    # Stage 0: whether its engine loop accepts requests (not after a group stop or while draining).
+    serving: Callable[[], bool] | None = None
     # Extra metrics, read at scrape time: name -> Metric.
     sources: list[Callable[[], dict[str, Metric]]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
-        return self.phase == "ready" and not self.wedged
+        """What /readyz and stage 0's Health both answer."""
+        return self.phase == "ready" and not self.wedged and (self.serving is None or self.serving())
 
     @property
     def wedged(self) -> bool:

@@ -14,6 +14,21 @@ Lifecycle of `serve_leader` (the process of stage 0):
 A Generate call that is cancelled (the router's client went away, a stop
 string matched, a deadline passed) aborts its request: its blocks return to
 the pool on every stage with the next plan.
+
+Status codes say whose failure it is, because the router acts on them:
+  INVALID_ARGUMENT   the request is invalid ("param: message")
+  ALREADY_EXISTS     its request id is already running here
+  RESOURCE_EXHAUSTED the admission queue is full (try another group)
+  INTERNAL           the request itself failed on some stage ("request failed:
+                     ..."): the group goes on serving; never retried
+  UNAVAILABLE        the group is not serving (starting, draining) or stopped
+                     (the cause): the only code that takes a group out of routing
+Once a request is admitted, its call carries the initial metadata
+ADMITTED_KEY: a call that then fails with UNAVAILABLE saw its group die with
+the request inside, and the router must not carry it to another group.
+
+`/readyz` and Health read one function (StageStatus.ready), so they agree at
+all times: a group stop makes both say not ready at once.
 """
 
 from __future__ import annotations
@@ -27,16 +42,31 @@ import grpc
 
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.engine.engine import LLMEngine
-from pipeserve.errors import EXIT_GROUP_STOP, InvalidRequestError
+from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
+from pipeserve.rpc.metadata import ADMITTED_KEY
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.stage.engine_loop import Delta, EngineLoop, NotServing, Overloaded, Phase
+from pipeserve.stage.engine_loop import (
+    Delta,
+    DuplicateRequest,
+    EngineLoop,
+    ErrorKind,
+    NotServing,
+    Overloaded,
+    Phase,
+)
 from pipeserve.stage.group import Rendezvous
 from pipeserve.stage.health import Metric, StageStatus
 from pipeserve.stage.wedge import WedgeDetector
 
 log = logging.getLogger(__name__)
+
+_ERROR_CODES = {
+    ErrorKind.GROUP: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.FAILED: grpc.StatusCode.INTERNAL,
+}
 
 
 def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -82,9 +112,10 @@ class _QueueSink:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, model_name: str) -> None:
+    def __init__(self, loop: EngineLoop, model_name: str, status: StageStatus) -> None:
         self.loop = loop
         self.model_name = model_name
+        self.status = status
         engine = loop.engine
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
@@ -99,17 +130,22 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.loop.submit(rid, list(request.prompt_token_ids), params, sink)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}")
+        except DuplicateRequest as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
         except Overloaded as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NotServing as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"group not serving: {e}")
         final = False
         try:
+            await context.send_initial_metadata(((ADMITTED_KEY, "1"),))
             while not final:
                 delta = await sink.queue.get()
                 final = delta.final
                 if delta.error is not None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, delta.error)
+                    code = _ERROR_CODES[delta.error_kind]
+                    prefix = "request failed: " if delta.error_kind is ErrorKind.FAILED else ""
+                    await context.abort(code, prefix + delta.error)
                 yield delta_to_proto(delta)
         finally:
             if not final:  # cancelled: the client went away or its deadline passed
@@ -121,7 +157,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         s = self.loop.stats
         return pb.HealthResponse(
-            ready=self.loop.phase is Phase.READY,
+            ready=self.status.ready,
             status=self.loop.status,
             model=self.model_name,
             max_model_len=self.max_model_len,
@@ -165,7 +201,7 @@ def engine_metrics(loop: EngineLoop) -> dict[str, Metric]:
 
 async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus, model_name: str) -> int:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(loop, model_name), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(loop, model_name, status), server)
     port = server.add_insecure_port(f"{serve.host}:{serve.grpc_port}")
     await server.start()
     aloop = asyncio.get_running_loop()
@@ -187,11 +223,11 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     await server.stop(grace=1.0)
     status.phase = "stopped"
     if loop.failed:
-        return EXIT_GROUP_STOP
+        return ExitCode.GROUP_STOP
     if not loop.done.is_set():
         log.error("engine loop did not end within its deadline; leaving the ring to its deadlines")
-        return EXIT_GROUP_STOP
-    return 0
+        return ExitCode.GROUP_STOP
+    return ExitCode.OK
 
 
 def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous, status: StageStatus) -> int:
@@ -201,6 +237,9 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
     loop = EngineLoop(engine, serve.max_waiting)
     detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)
     status.detector = detector
+    status.serving = lambda: (
+        loop.phase is Phase.READY
+    )  # a group stop is not-ready at once, here and in Health
     status.sources.append(lambda: engine_metrics(loop))
     loop.on_progress = detector.beat
     loop.start()

@@ -5,7 +5,7 @@ handled) and what pending work is (`pending()`: a description of queued or
 running work, or None when idle). A thread checks both; when work has been
 pending for `timeout_s` with no beat, it writes ONE report — the pending
 work and every thread's stack — marks the stage wedged (`/livez` goes red),
-and after `grace_s` ends the process with EXIT_WEDGED. The supervisor (or
+and after `grace_s` ends the process with ExitCode.WEDGED. The supervisor (or
 Kubernetes' liveness probe) then restarts the whole group.
 
 Idle is never a wedge: while nothing is pending the clock is reset, so the
@@ -25,9 +25,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
+from pipeserve.errors import ExitCode
 
-EXIT_WEDGED = 4  # exit status of a stage that detected its own wedge
+log = logging.getLogger(__name__)
 
 
 def thread_stacks() -> str:
@@ -80,9 +80,9 @@ class WedgeDetector:
             if self.check(time.monotonic()):
                 break
         if self.wedged and not self._stop.wait(self.grace_s):
-            log.error("%s: exiting after a wedge (status %d)", self.name, EXIT_WEDGED)
+            log.error("%s: exiting after a wedge (status %d)", self.name, ExitCode.WEDGED)
             logging.shutdown()
-            self._exit(EXIT_WEDGED)
+            self._exit(ExitCode.WEDGED)
 
     def check(self, now: float) -> bool:
         """One look; True once the stage is declared wedged."""

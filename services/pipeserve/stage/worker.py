@@ -117,6 +117,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         )
     pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device)
     runner = ModelRunner(model, pool, config.block_size, config.seed, rank)
+    runner.request_check = faults.request_check(rank)
     log.info(
         "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens",
         rank,

@@ -25,12 +25,12 @@ from collections.abc import Callable
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pipeserve.errors import ExitCode
 from pipeserve.supervisor.group import GroupSlot, SlotState
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
-EXIT_CANNOT_START = 2  # a stage's exit status for a configuration or checkpoint error
 
 
 class Supervisor:
@@ -92,7 +92,7 @@ class Supervisor:
             return
         if exited := slot.exited():
             rank, code = next(iter(sorted(exited.items())))
-            if code == EXIT_CANNOT_START and slot.ready_at is None and not slot.restarts:
+            if code == ExitCode.CANNOT_START and slot.ready_at is None and not slot.restarts:
                 self.fatal = f"{slot.name}: stage {rank} cannot start (see its log)"
                 self.failed.set()
                 return
