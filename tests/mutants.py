@@ -248,6 +248,77 @@ MUTANTS = [
         '                    log.info("idle pass")\n                    self._wake.wait(IDLE_WAIT_S)',
         "tests/test_wedge.py -k idle_group",
     ),
+    (
+        "sampler divides by a temperature below the epsilon (float32 overflow)",
+        "services/pipeserve/engine/sampler.py",
+        "        [min(max(s.temperature, SAMPLING_EPS), MAX_TEMPERATURE) for s in specs], device=dev",
+        "        [s.temperature for s in specs], device=dev",
+        "tests/test_failure_isolation.py -k nan",
+    ),
+    (
+        "a stage lets one request's failure escape (group stop instead of a failed request)",
+        "services/pipeserve/engine/model_runner.py",
+        '                failed.append(RequestFailure(c.req_id, f"stage {self.rank}: {reason}"))',
+        "                raise RuntimeError(reason)",
+        "tests/test_failure_isolation.py -k 'request_failure'",
+    ),
+    (
+        "stage 0 ignores the failures stages report",
+        "services/pipeserve/engine/scheduler.py",
+        "        failed = {f.req_id: f.reason for r in output.reports for f in r.failed}",
+        "        failed = {}",
+        "tests/test_failure_isolation.py -k 'request_failure and 1'",
+    ),
+    (
+        "router retries a request that already saw a group die",
+        "services/pipeserve/router/upstream.py",
+        "                if f.code not in RETRYABLE or f.group_died:",
+        "                if f.code not in RETRYABLE:",
+        "tests/test_router_poison.py -k kills",
+    ),
+    (
+        "a client error (duplicate request id) mapped to UNAVAILABLE",
+        "services/pipeserve/stage/server.py",
+        "            await context.abort(grpc.StatusCode.ALREADY_EXISTS,",
+        "            await context.abort(grpc.StatusCode.UNAVAILABLE,",
+        "tests/test_failure_isolation.py -k duplicate",
+    ),
+    (
+        "stage 0's /readyz lags its group stop",
+        "services/pipeserve/stage/health.py",
+        "(self.serving is None or self.serving())",
+        "True",
+        "tests/test_failure_isolation.py -k agree",
+    ),
+    # --- the HTTP edge (issue 9 section 2) ---
+    (
+        "stop matching rescans the whole text every token (quadratic)",
+        "services/pipeserve/detokenize.py",
+        "self._matcher.scan(self._state, self.text, begin)",
+        "self._matcher.scan(0, self.text, 0)",
+        "tests/test_router_edge.py -k linear",
+    ),
+    (
+        "/groups answers without the API key",
+        "services/pipeserve/supervisor/up.py",
+        "        app.state.router.check_auth(request)\n        routed",
+        "        routed",
+        "tests/test_router_edge.py -k pipeserve_up",
+    ),
+    (
+        "no header deadline (slowloris connections stay open)",
+        "services/pipeserve/router/http_guard.py",
+        "        super().connection_made(transport)\n        self._arm()",
+        "        super().connection_made(transport)",
+        "tests/test_router_edge.py -k dribbled",
+    ),
+    (
+        "a batch takes one concurrency slot, whatever its prompts",
+        "services/pipeserve/router/handlers.py",
+        "        slot = self.acquire_slot(len(req.prompts))",
+        "        slot = self.acquire_slot()",
+        "tests/test_router_edge.py -k batch",
+    ),
 ]
 only = sys.argv[1:]
 green = 0

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -155,23 +156,40 @@ def test_offline_llm_reports_a_failed_request(llama_dir: Path, monkeypatch: pyte
 
 
 def test_readyz_and_health_agree_the_moment_the_group_stops(llama_dir: Path, tmp_path: Path) -> None:
-    """When a call ends UNAVAILABLE because the group stopped, neither /readyz nor Health says ready."""
+    """Once a call has ended UNAVAILABLE because the group stopped, no /readyz probe started after
+    that says ready (probed back to back from another thread), and neither does Health."""
     with live_group(llama_dir, 2, tmp_path) as slot:
         s = stub(slot.grpc_target)
+        probes: list[tuple[float, int]] = []  # (start time, status; 0 when the stage no longer answers)
+        stop = threading.Event()
+
+        def probe() -> None:
+            with httpx.Client(timeout=2) as c:
+                while not stop.is_set():
+                    t = time.monotonic()
+                    try:
+                        probes.append((t, c.get(slot.health_url(0) + "/readyz").status_code))
+                    except httpx.TransportError:
+                        probes.append((t, 0))
+
         call = s.Generate(greedy_request("long", [5, 6, 7], 2000, ignore_eos=True), timeout=60)
         next(call)
-        os.kill(slot.group.procs[1].pid, signal.SIGKILL)
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        prober = threading.Thread(target=probe)
+        prober.start()
         try:
-            readyz = httpx.get(slot.health_url(0) + "/readyz", timeout=2)
-        except httpx.TransportError:  # the stage is exiting already: not ready either
-            pass
-        else:
-            assert readyz.status_code == 503, readyz.text
-        try:
-            assert not s.Health(pb.HealthRequest(), timeout=2).ready
-        except grpc.RpcError as e:  # the server may already be closing: that is not "ready" either
-            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            os.kill(slot.group.procs[1].pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            seen_at = time.monotonic()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            try:
+                assert not s.Health(pb.HealthRequest(), timeout=2).ready
+            except grpc.RpcError as e:  # the server may already be closing: that is not "ready" either
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            prober.join(10)
+        after = [code for t, code in probes if t > seen_at]
+        assert after and 200 not in after, after

@@ -1,0 +1,201 @@
+"""Property-based fuzz of both OpenAI endpoints against a live `pipeserve up --stages 2 --replicas 2`.
+
+Every field is drawn absent, valid or hostile (extreme floats — tiny, huge,
+subnormal, NaN/Infinity literals, "nan"/"inf" strings —, integers of hundreds of
+digits, wrong types, empty and long lists, nesting, odd unicode and lone
+surrogates). The law under test (DESIGN §2.5, §10.13): **no response >= 500,
+no stage exits, no group restarts**, and a normal request is answered right
+after. CI runs a fixed seed and a bounded number of examples;
+`PIPESERVE_FUZZ_EXAMPLES=2000 make fuzz` runs longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from serving_support import UpProcess
+
+pytestmark = pytest.mark.slow
+NAME = "fuzz"
+EXAMPLES = int(os.environ.get("PIPESERVE_FUZZ_EXAMPLES", "120"))
+VOCAB = 1024  # the demo model's vocabulary (DemoSpec default)
+
+# The requests of death seen in the field: every one must be served, none may kill a stage.
+DEATH_TEMPERATURES = [1e-40, 1e-38, 1e-300, 5e-324, 3.4e38, 1e300, 1.7976931348623157e308]
+
+
+@pytest.fixture(scope="module")
+def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    server = UpProcess(
+        "--model",
+        str(llama_dir),
+        "--served-model-name",
+        NAME,
+        "--stages",
+        "2",
+        "--replicas",
+        "2",
+        "--max-model-len",
+        "128",
+        "--num-kv-blocks",
+        "256",
+        log_dir=tmp_path_factory.mktemp("fuzz"),
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _pids(up: UpProcess) -> dict[str, dict]:
+    return {g["name"]: g["pids"] for g in up.groups()}
+
+
+def _assert_healthy(up: UpProcess, pids: dict[str, dict]) -> None:
+    groups = up.groups()
+    assert [g["restarts"] for g in groups] == [0] * len(groups), groups
+    assert {g["name"]: g["pids"] for g in groups} == pids, "a stage process was replaced"
+    r = httpx.post(
+        up.url + "/v1/completions",
+        json={"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
+
+
+def _send(up: UpProcess, path: str, body: object) -> tuple[int, str]:
+    """POST the body as JSON text (NaN/Infinity literals and lone surrogates included, escaped as
+    JSON allows); a streamed 200 must end with [DONE]."""
+    data = json.dumps(body, allow_nan=True)
+    with httpx.stream(
+        "POST", up.url + path, content=data, headers={"content-type": "application/json"}, timeout=120
+    ) as r:
+        text = r.read().decode("utf-8", "replace")
+    if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+        assert text.rstrip().endswith("data: [DONE]"), text[-500:]
+    return r.status_code, text
+
+
+def test_requests_of_death_are_served(up: UpProcess) -> None:
+    pids = _pids(up)
+    for t in DEATH_TEMPERATURES:
+        for path, body in (
+            ("/v1/completions", {"prompt": "Hi there", "max_tokens": 4}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+        ):
+            status, text = _send(up, path, {**body, "model": NAME, "temperature": t, "top_p": 1e-9})
+            assert status == 200, (t, text)
+    _assert_healthy(up, pids)
+
+
+# --- strategies --------------------------------------------------------------
+ODD_TEXT = st.sampled_from(["\ud800", "a\udfffb", "\x00", "\u202e\u200b", "🦀" * 20, "\ufffd", "é" * 300, ""])
+TEXT = st.text(max_size=40) | ODD_TEXT
+ANY = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=10,
+)
+HUGE_INTS = st.sampled_from([10**30, -(10**30), 10**400, 2**63, 2**64, -(2**63) - 1])
+FLOATS = (
+    st.sampled_from([0.0, -0.0, 1e-40, 5e-324, 1e-300, 1e300, 1.7976931348623157e308, 0.5, 1.0, 2.0, 1e-5])
+    | st.floats()
+    | st.sampled_from(["nan", "inf", "-inf", "1.0", ""])
+    | HUGE_INTS
+    | st.integers(-5, 5)
+)
+INTS = st.integers(-3, 40) | HUGE_INTS | st.floats(0, 10) | st.sampled_from(["4", True, None])
+TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30)
+PROMPT = (
+    TEXT
+    | TOKEN_IDS
+    | st.lists(TEXT | TOKEN_IDS, min_size=0, max_size=3)
+    | st.lists(st.integers(), max_size=5)
+    | ANY
+)
+STOP = st.none() | TEXT | st.lists(TEXT, max_size=5) | ANY
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]) | TEXT | ANY},
+    optional={
+        "content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})) | ANY
+    },
+)
+SAMPLING = {
+    "model": st.just(NAME) | TEXT | ANY,
+    "max_tokens": INTS,
+    "temperature": FLOATS,
+    "top_p": FLOATS,
+    "top_k": INTS | st.just(-1),
+    "min_p": FLOATS,
+    "seed": INTS | HUGE_INTS,
+    "stop": STOP,
+    "stop_token_ids": st.lists(st.integers(-2, VOCAB + 2), max_size=4) | ANY,
+    "ignore_eos": st.booleans() | ANY,
+    "stream": st.booleans() | ANY,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY}) | ANY,
+    "n": INTS,
+    "frequency_penalty": FLOATS,
+    "presence_penalty": FLOATS,
+    "logit_bias": ANY,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}) | ANY,
+    "return_token_ids": st.booleans() | ANY,
+    "add_special_tokens": st.booleans() | ANY,
+    "user": TEXT,
+    "unknown_field": ANY | HUGE_INTS,
+}
+COMPLETION = st.fixed_dictionaries(
+    {"prompt": PROMPT},
+    optional={
+        **SAMPLING,
+        "logprobs": INTS,
+        "echo": st.booleans(),
+        "best_of": INTS,
+        "suffix": TEXT,
+    },
+)
+CHAT = st.fixed_dictionaries(
+    {"messages": st.lists(MESSAGE, max_size=3) | ANY},
+    optional={
+        **SAMPLING,
+        "max_completion_tokens": INTS,
+        "logprobs": st.booleans() | ANY,
+        "top_logprobs": INTS,
+        "tools": ANY,
+        "tool_choice": ANY,
+    },
+)
+REQUEST = st.tuples(st.just("/v1/completions"), COMPLETION | ANY) | st.tuples(
+    st.just("/v1/chat/completions"), CHAT | ANY
+)
+
+
+def test_fuzz_both_endpoints_no_5xx_no_exits_no_restarts(up: UpProcess) -> None:
+    pids = _pids(up)
+    seen: dict[int, int] = {}
+
+    @seed(20261203)
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(REQUEST)
+    def one(request: tuple[str, object]) -> None:
+        path, body = request
+        status, text = _send(up, path, body)
+        seen[status] = seen.get(status, 0) + 1
+        assert status < 500, (path, body, status, text[:500])
+
+    one()
+    print("statuses:", dict(sorted(seen.items())))
+    assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if 400 <= k < 500) > 0, seen
+    _assert_healthy(up, pids)
