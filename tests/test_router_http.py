@@ -56,7 +56,7 @@ def sse_events(r: httpx.Response) -> list:
 
 
 def test_completion_blocking_shape_and_usage(router: RouterHarness, stage: ScriptedStage) -> None:
-    r = post(router, "/v1/completions", {"model": "demo", "prompt": "Hi there", "max_tokens": 100})
+    r = post(router, "/v1/completions", {"model": "demo", "prompt": "Hi there", "max_tokens": 40})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == "demo"
@@ -94,9 +94,9 @@ def test_several_prompts_give_indexed_choices(router: RouterHarness, stage: Scri
 
 def test_streaming_completion_with_the_openai_client(router: RouterHarness) -> None:
     with openai.OpenAI(base_url=router.url + "/v1", api_key="x") as client:
-        full = client.completions.create(model="demo", prompt="Hi", max_tokens=100).choices[0].text
+        full = client.completions.create(model="demo", prompt="Hi", max_tokens=40).choices[0].text
         stream = client.completions.create(
-            model="demo", prompt="Hi", max_tokens=100, stream=True, stream_options={"include_usage": True}
+            model="demo", prompt="Hi", max_tokens=40, stream=True, stream_options={"include_usage": True}
         )
         chunks = list(stream)
     assert all(c.object == "text_completion" for c in chunks)
@@ -110,7 +110,7 @@ def test_streaming_completion_with_the_openai_client(router: RouterHarness) -> N
 def test_streaming_chat_with_the_openai_client(router: RouterHarness, stage: ScriptedStage, tok) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     with openai.OpenAI(base_url=router.url + "/v1", api_key="x") as client:
-        blocking = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=100)
+        blocking = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=30)
         chunks = list(
             client.chat.completions.create(
                 model="demo", messages=messages, stream=True, stream_options={"include_usage": True}
@@ -121,9 +121,10 @@ def test_streaming_chat_with_the_openai_client(router: RouterHarness, stage: Scr
     rendered = (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert list(stage.requests[0].prompt_token_ids) == tok.encode(rendered)
+    # The template's text, without special tokens added (as apply_chat_template).
+    assert list(stage.requests[0].prompt_token_ids) == tok.encode(rendered, add_special_tokens=False)
     # No max_tokens: up to the context length.
-    assert stage.requests[1].sampling.max_tokens == 64 - len(tok.encode(rendered))
+    assert stage.requests[1].sampling.max_tokens == 64 - len(tok.encode(rendered, add_special_tokens=False))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -134,12 +135,12 @@ def test_streaming_chat_with_the_openai_client(router: RouterHarness, stage: Scr
 
 def test_stop_string_trims_and_cancels_upstream(router: RouterHarness, stage: ScriptedStage) -> None:
     stage.token_delay_s = 0.02
-    r = post(router, "/v1/completions", {"prompt": "x", "max_tokens": 100, "stop": ["fox E", "zzz"]})
+    r = post(router, "/v1/completions", {"prompt": "x", "max_tokens": 40, "stop": ["fox E", "zzz"]})
     choice = r.json()["choices"][0]
     assert choice["text"] == "Hello 🙂 world! 你好 The quick brown " and choice["finish_reason"] == "stop"
     wait_until(lambda: stage.active == 0, 5, "upstream call ended")
     assert stage.cancelled == 1
-    r = post(router, "/v1/completions", {"prompt": "x", "max_tokens": 100, "stop": "fox E", "stream": True})
+    r = post(router, "/v1/completions", {"prompt": "x", "max_tokens": 40, "stop": "fox E", "stream": True})
     events = sse_events(r)
     assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -200,11 +201,16 @@ def test_bad_input_is_400_and_service_goes_on(router: RouterHarness, body: objec
     assert post(router, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
-def test_max_tokens_beyond_the_context_is_capped_not_an_error(
+def test_max_tokens_beyond_the_context_is_an_error_as_vllm(
     router: RouterHarness, stage: ScriptedStage
 ) -> None:
-    r = post(router, "/v1/completions", {"prompt": [5, 6], "max_tokens": 10**30})
-    assert r.status_code == 200 and stage.requests[-1].sampling.max_tokens == 64
+    err = assert_error(
+        post(router, "/v1/completions", {"prompt": [5, 6], "max_tokens": 10**30}), 400, "max_tokens"
+    )
+    assert "maximum context length is 64 tokens" in err["message"] and "2 input tokens" in err["message"]
+    assert not stage.requests
+    r = post(router, "/v1/completions", {"prompt": [5, 6], "max_tokens": 62})  # exactly the room left
+    assert r.status_code == 200 and stage.requests[-1].sampling.max_tokens == 62
 
 
 def test_error_shapes_of_routing_and_framework_errors(router: RouterHarness, stage: ScriptedStage) -> None:

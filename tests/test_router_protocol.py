@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pipeserve.errors import InvalidRequestError
 from pipeserve.router.errors import APIError
-from pipeserve.router.protocol import check_prompt, parse_chat, parse_completion
+from pipeserve.router.protocol import parse_chat, parse_completion
+from pipeserve.rpc.convert import sampling_to_proto
+from pipeserve.sampling_params import check_prompt, resolve_max_tokens
 
 OK = {"model": "m", "prompt": "hi"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -44,14 +47,30 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"stream": "true"}, "stream"),
-        ({"stream_options": []}, "stream_options"),
-        ({"stream_options": {"include_usage": 1}}, "include_usage"),
+        ({"stream": True, "stream_options": []}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"echo": True}, "echo"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"model": 7}, "model"),
+        # An integer literal too large for a float is a 400, not an OverflowError.
+        ({"temperature": 10**400}, "temperature"),
+        ({"top_p": -(10**400)}, "top_p"),
+        ({"min_p": 10**309}, "min_p"),
+        ({"frequency_penalty": 10**400}, "frequency_penalty"),
+        ({"max_tokens": 10**400, "temperature": 1e400}, "temperature"),
+        # Lone surrogates cannot be tokenized nor echoed.
+        ({"prompt": "a\ud800b"}, "prompt"),
+        ({"prompt": ["ok", "\udfff"]}, "prompt"),
+        ({"model": "m\ud800"}, "model"),
+        ({"stop": ["\ud800"]}, "stop"),
+        # Fields we do not implement are refused, not ignored.
+        ({"response_format": {"type": "text"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"add_special_tokens": 1}, "add_special_tokens"),
     ],
 )
 def test_bad_completion_fields_are_400_naming_the_field(extra: dict, param: str) -> None:
@@ -98,20 +117,38 @@ def test_completion_sampling_to_proto() -> None:
             "stream_options": {"include_usage": True},
         }
     )
-    assert req.stream and req.include_usage and req.params.stop == ["END"]
-    p = req.params.to_proto(prompt_len=4, max_model_len=64, vocab_size=100)
+    assert req.stream and req.include_usage and req.params.stop == ["END"] and req.add_special_tokens
+    p = sampling_to_proto(req.params)
     assert (p.max_tokens, p.temperature, p.top_k, p.seed, list(p.stop_token_ids), p.logprobs) == (
         5,
         0,
-        -1,
+        0,
         9,
         [2],
         3,
     )
-    with pytest.raises(APIError) as err:
-        req.params.to_proto(4, 64, vocab_size=2)
+    with pytest.raises(InvalidRequestError) as err:
+        check_prompt([1], req.params, 64, vocab_size=2)
     assert err.value.param == "stop_token_ids"
-    assert not parse_completion(OK).params.to_proto(4, 64, 100).HasField("logprobs")
+    assert not sampling_to_proto(parse_completion(OK).params).HasField("logprobs")
+    assert parse_completion({**OK, "add_special_tokens": False}).add_special_tokens is False
+
+
+def test_max_tokens_beyond_the_context_names_the_field_sent() -> None:
+    params = parse_completion({**OK, "max_tokens": 61}).params
+    assert resolve_max_tokens(params, 3, 64, strict=True) == 61
+    with pytest.raises(InvalidRequestError) as err:
+        resolve_max_tokens(params, 4, 64, strict=True)
+    assert err.value.param == "max_tokens"
+    assert (
+        "maximum context length is 64 tokens" in err.value.message and "4 input tokens" in err.value.message
+    )
+    assert resolve_max_tokens(params, 4, 64, strict=False) == 61  # the offline LLM stops at the context
+    chat = parse_chat({**CHAT, "max_completion_tokens": 10**30})
+    assert chat.max_tokens_param == "max_completion_tokens"
+    with pytest.raises(InvalidRequestError) as err:
+        resolve_max_tokens(chat.params, 4, 64, strict=True, param=chat.max_tokens_param)
+    assert err.value.param == "max_completion_tokens"
 
 
 @pytest.mark.parametrize(
@@ -126,7 +163,20 @@ def test_completion_sampling_to_proto() -> None:
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
         ),
-        ({"max_completion_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": "8"}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user\ud800", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+            "messages[0].content",
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages[0].name"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -160,18 +210,32 @@ def test_chat_fields() -> None:
     assert req.params.max_tokens == 7 and req.params.logprobs == 2
     plain = parse_chat(CHAT)
     assert plain.params.max_tokens is None and plain.params.logprobs is None
-    assert plain.params.to_proto(prompt_len=10, max_model_len=64, vocab_size=100).max_tokens == 54
+    assert not plain.add_special_tokens and plain.max_tokens_param == "max_tokens"
+    assert resolve_max_tokens(plain.params, prompt_len=10, max_model_len=64, strict=True) == 54
     assert parse_chat({**CHAT, "logprobs": True}).params.logprobs == 0
+    assert parse_chat({**CHAT, "tools": None, "tool_choice": "none"}).params.max_tokens is None
+    assert parse_chat({**CHAT, "add_special_tokens": True}).add_special_tokens
 
 
 def test_check_prompt() -> None:
-    check_prompt([1, 2], "prompt", max_model_len=3, vocab_size=10)
+    params = parse_completion(OK).params
+    check_prompt([1, 2], params, max_model_len=3, vocab_size=10)
     for ids, fragment in (
         ([], "empty"),
         ([1, 10], "vocabulary"),
         ([-1], "vocabulary"),
         ([1, 2, 3], "context"),
     ):
+        with pytest.raises(InvalidRequestError) as err:
+            check_prompt(ids, params, max_model_len=3, vocab_size=10, param="messages")
+        assert err.value.param == "messages" and fragment in err.value.message
+
+
+def test_error_messages_render_when_they_quote_a_bad_value() -> None:
+    import json
+
+    for body in ({**OK, "temperature": "\ud800" * 3}, {**OK, "seed": 10**500}):
         with pytest.raises(APIError) as err:
-            check_prompt(ids, "prompt", max_model_len=3, vocab_size=10)
-        assert err.value.status == 400 and err.value.param == "prompt" and fragment in err.value.message
+            parse_completion(body)
+        json.dumps(err.value.body(), ensure_ascii=False).encode("utf-8")  # what the response encodes
+        assert len(err.value.message) < 200

@@ -54,6 +54,7 @@ def _demo_model(args: argparse.Namespace) -> int:
         max_position_embeddings=args.max_position_embeddings,
         tie_embeddings=args.tie_embeddings,
         seed=args.seed,
+        bos=args.bos,
     )
     out = write_demo_model(args.dir, spec)
     print(out)
@@ -225,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
     d.add_argument("--intermediate", type=int, default=None, help="default: ~8/3 x hidden")
     d.add_argument("--tie-embeddings", action="store_true")
+    d.add_argument(
+        "--bos",
+        action="store_true",
+        help="the tokenizer adds a BOS (post-processor); chat template in chat_template.jinja",
+    )
     d.set_defaults(func=_demo_model)
 
     g = sub.add_parser("generate", help="offline generation for a few prompts")

@@ -207,6 +207,10 @@ class RouterConfig:
     probe_timeout_s: float = 30.0  # /health_generate: deadline of the 1-token probe
     # prefix_affinity: leave the affine group when its load exceeds the least loaded's by more than this
     affinity_overload: int = 8
+    # The chat template: a file path or the template text (vLLM's --chat-template); None: the checkpoint's
+    # (chat_template.jinja, else tokenizer_config.json's chat_template).
+    chat_template: str | None = None
+    tokenizer_threads: int = 2  # the router's pool for tokenization and chat rendering (off the event loop)
 
     @property
     def model_name(self) -> str:
@@ -229,3 +233,5 @@ class RouterConfig:
         ):
             need(getattr(self, name) > 0, name, "must be > 0")
         need(self.affinity_overload >= 0, "affinity_overload", "must be >= 0")
+        need(self.chat_template is None or bool(self.chat_template), "chat_template", "must not be empty")
+        need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")

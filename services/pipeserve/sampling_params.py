@@ -1,30 +1,56 @@
-"""SamplingParams: what a caller asks of one generation (vLLM's shape).
+"""SamplingParams: what a caller asks of one generation (vLLM's shape), and the prompt checks.
 
-Validation raises InvalidRequestError naming the field, at construction, so a
-bad request never reaches the scheduler.
+There is one sampling schema. The router builds `SamplingParams` straight from
+the JSON body (router/protocol.py reads each field by its annotation here),
+`rpc/convert.py` maps it to and from `pb.SamplingParams` by field name, and
+the engine reads it. Validation raises InvalidRequestError naming the field,
+at construction, so a bad request never reaches the scheduler.
+
+A new sampling field touches three hand-written files: this one (the field
+and its check in `validate`), rpc/generation.proto (a field of the same name;
+then `make proto`), and the engine code that acts on it (e.g.
+engine/sampler.py). The JSON parsing and the protobuf conversion follow the
+dataclass; tests/test_sampling_schema.py fails when a field is missing from
+either side. A field the stages never see (the router applies `stop`) is
+marked `metadata=ROUTER_ONLY` and has no proto field.
+
+`max_tokens=None` means "up to the context" (chat's default); it is resolved
+against the prompt by `resolve_max_tokens`, the one place where the prompt
+length is known, before the request leaves the router (or enters the engine
+from the offline LLM).
+
+`check_prompt` is the one prompt validator (empty, ids outside the
+vocabulary, no room left in the context), called by the router and by
+`LLMEngine.validate`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.errors import InvalidRequestError
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
 # temperature whose reciprocal leaves float32 would make inf/NaN probabilities.
 SAMPLING_EPS = 1e-5
 
+ROUTER_ONLY = {"wire": False}  # field metadata: applied by the router, not sent to the stages
+MAX_SEED = 2**64 - 1  # the wire's uint64
+MAX_TOP_K = 2**31 - 1  # the wire's int32
+
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (resolve_max_tokens)
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list, metadata=ROUTER_ONLY)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
@@ -38,29 +64,101 @@ class SamplingParams:
         def fail(param: str, msg: str) -> None:
             raise InvalidRequestError(param, msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            fail("max_tokens", f"must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):
-            fail("temperature", f"must be a finite number, got {self.temperature!r}")
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens):
+                fail("max_tokens", f"must be an integer, got {self.max_tokens!r}")
+            if self.max_tokens < 1:
+                fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not _is_finite(self.temperature):
+            fail("temperature", f"must be a finite number, got {_show(self.temperature)}")
         if self.temperature < 0:
             fail("temperature", f"must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            fail("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            fail("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, int | float) or not 0 <= self.min_p <= 1:
-            fail("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            fail("seed", f"must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            fail("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", f"must be in (0, 1], got {_show(self.top_p)}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            fail("top_k", f"must be -1 (off) or a positive integer < 2**31, got {_show(self.top_k)}")
+        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", f"must be in [0, 1], got {_show(self.min_p)}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            fail("seed", f"must be an integer in [0, 2**64), got {_show(self.seed)}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            fail("logprobs", f"must be an integer in [0, 20], got {_show(self.logprobs)}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            fail("stop", f"at most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
             fail("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", f"must be a boolean, got {_show(self.ignore_eos)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: Any) -> bool:
+    """A finite real; an int too large for a float (10**400) is not: math.isfinite would raise."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _show(v: Any) -> str:
+    """A value quoted in an error message, short (a 10**400 literal is not echoed whole)."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_prompt(
+    ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int, param: str = "prompt"
+) -> None:
+    """A tokenized prompt a group can take (non-empty, in the vocabulary, shorter than the context),
+    and stop token ids in the vocabulary. Raises InvalidRequestError naming the field."""
+    if not ids:
+        raise InvalidRequestError(param, "the prompt is empty")
+    bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(param, f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(
+            param,
+            f"This model's maximum context length is {max_model_len} tokens, and the prompt has "
+            f"{len(ids)} tokens: no room to generate.",
+        )
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            "stop_token_ids", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def resolve_max_tokens(
+    params: SamplingParams, prompt_len: int, max_model_len: int, strict: bool, param: str = "max_tokens"
+) -> int:
+    """The number of tokens to generate at most: `max_tokens`, or what the context leaves when None.
+
+    strict (the HTTP API, as vLLM): prompt + max_tokens beyond the context is an error naming
+    `param` (the field the client sent). Not strict (the offline LLM): the engine stops at the
+    context ("length"), so a larger max_tokens is kept as is.
+    """
+    room = max_model_len - prompt_len
+    if params.max_tokens is None:
+        return max(1, room)
+    if strict and params.max_tokens > room:
+        raise InvalidRequestError(
+            param,
+            f"'{param}' is too large: {_show(params.max_tokens)}. This model's maximum context length "
+            f"is {max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({_show(params.max_tokens)} > {max_model_len} - {prompt_len}).",
+        )
+    return params.max_tokens

@@ -20,7 +20,7 @@ from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import ResultMismatch, Scheduler
 from pipeserve.errors import ConfigError, GroupStopped, InvalidRequestError
-from pipeserve.sampling_params import SamplingParams
+from pipeserve.sampling_params import SamplingParams, check_prompt
 from pipeserve.stage.group import Rendezvous
 from pipeserve.stage.leader import PipelineExecutor
 from pipeserve.stage.worker import build_stage
@@ -62,18 +62,9 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError naming the bad field; changes nothing."""
         params.validate()
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("prompt", f"token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(prompt_token_ids)} tokens leave no room to generate within "
-                f"the model's context of {self.max_model_len}",
-            )
+        if params.max_tokens is None:  # "up to the context": the caller resolves it against the prompt
+            raise InvalidRequestError("max_tokens", "must be resolved first (resolve_max_tokens)")
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None

@@ -4,9 +4,13 @@
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids
 
-A prompt is a string (tokenized with the checkpoint's tokenizer.json) or a
-list of token ids. Stop strings are matched on the detokenized output here,
-and the matched string and what follows are trimmed from the text.
+A prompt is a string or a list of token ids. A string is encoded as the
+router's /v1/completions encodes it by default: with the tokenizer's own
+special tokens (its post-processor's BOS), as transformers' `tokenizer(text)`.
+Output is detokenized incrementally by the router's TextStream (one token at
+a time, linear in the output): a stop string finishes the request at the
+step that completed it, and it and what follows are trimmed from the text.
+`max_tokens=None` generates up to the context.
 
 With stages=S > 1 this process is stage 0 (scheduler, embedding, first
 layers) and S-1 stage processes are started for the rest of the model; they
@@ -17,22 +21,23 @@ the group stops on an error (then generate() raises GroupStopped).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from tokenizers import Tokenizer
-
 from pipeserve.config import EngineConfig
+from pipeserve.detokenize import TextStream
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
-from pipeserve.sampling_params import SamplingParams
+from pipeserve.sampling_params import SamplingParams, resolve_max_tokens
 from pipeserve.stage.launcher import LocalGroup, local_group_config
 from pipeserve.stage.worker import layer_split
+from pipeserve.tokenizer import TokenizerAssets
 
 Prompt = str | list[int]
 
@@ -58,8 +63,8 @@ class LLM:
                 self.group.stop(grace_s=2.0)
                 raise
         self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group)
-        tok_path = Path(model) / "tokenizer.json"
-        self.tokenizer: Tokenizer | None = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+        has_tokenizer = (Path(model) / "tokenizer.json").is_file()
+        self.tok: TokenizerAssets | None = TokenizerAssets.load(model) if has_tokenizer else None
 
     def shutdown(self) -> None:
         """Stop the stage processes (no-op with one stage); idempotent."""
@@ -73,15 +78,20 @@ class LLM:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.tok is None:
                 raise InvalidRequestError("prompt", "text prompts need tokenizer.json in the model directory")
-            return self.tokenizer.encode(prompt).ids
+            try:
+                return self.tok.encode(prompt, add_special_tokens=True)
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(
+                    "prompt", f"contains a lone surrogate at character {e.start}"
+                ) from None
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
         raise InvalidRequestError("prompt", "must be a string or a list of token ids")
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+        return self.tok.decode(ids) if self.tok else ""
 
     def generate(
         self,
@@ -107,28 +117,31 @@ class LLM:
         if len(params) != len(prompt_list):
             raise InvalidRequestError("sampling_params", "need one per prompt, or a single one")
         encoded = [self._encode(p) for p in prompt_list]
+        max_len = self.engine.max_model_len
+        params = [
+            p
+            if p.max_tokens is not None
+            else dataclasses.replace(p, max_tokens=resolve_max_tokens(p, len(ids), max_len, strict=False))
+            for ids, p in zip(encoded, params, strict=True)
+        ]
         for ids, p in zip(encoded, params, strict=True):
             self.engine.validate(ids, p)
         reqs: list[Request] = [
             self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)
         ]
-        texts: dict[str, str] = {}
+        streams = [_Output(req, TextStream(self._decode, req.params.stop)) for req in reqs]
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
-                for req in reqs:
-                    if req.params.stop and not req.is_finished and req.output_token_ids:
-                        self._check_stop_strings(req, texts)
+                for out in streams:  # without stop strings the text is only needed at the end
+                    if out.req.params.stop and out.feed() and not out.req.is_finished:
+                        self.engine.finish(out.req.req_id, FinishReason.STOP)
         except GroupStopped:
             self.shutdown()  # the other stages are exiting; reap them
             raise
         results = []
-        for prompt, req in zip(prompt_list, reqs, strict=True):
-            text = texts.get(req.req_id)
-            if text is None:
-                text = self._decode(req.output_token_ids)
-                if req.params.stop:  # finished by a token in the same step a stop string appeared
-                    text = _trim_stop(text, req.params.stop) or text
+        for prompt, out in zip(prompt_list, streams, strict=True):
+            req = out.req
             results.append(
                 RequestOutput(
                     request_id=req.req_id,
@@ -137,7 +150,7 @@ class LLM:
                     outputs=[
                         CompletionOutput(
                             0,
-                            text,
+                            out.finish(),
                             list(req.output_token_ids),
                             req.finish_reason.value if req.finish_reason else None,
                             list(req.output_logprobs) if req.params.logprobs is not None else None,
@@ -148,11 +161,27 @@ class LLM:
             )
         return results
 
-    def _check_stop_strings(self, req: Request, texts: dict[str, str]) -> None:
-        trimmed = _trim_stop(self._decode(req.output_token_ids), req.params.stop)
-        if trimmed is not None:
-            texts[req.req_id] = trimmed
-            self.engine.finish(req.req_id, FinishReason.STOP)
+
+class _Output:
+    """One request's text, fed token by token after each step (linear in the output length)."""
+
+    def __init__(self, req: Request, text: TextStream) -> None:
+        self.req = req
+        self.text = text
+        self.fed = 0  # output tokens pushed so far
+
+    def feed(self) -> bool:
+        """Push the tokens produced since the last call; True once a stop string has appeared."""
+        ids = self.req.output_token_ids
+        while self.fed < len(ids) and not self.text.stopped:
+            self.text.push(ids[self.fed])
+            self.fed += 1
+        return self.text.stopped
+
+    def finish(self) -> str:
+        if not self.feed():
+            self.text.finish()
+        return self.text.text
 
 
 def _shutdown(engine: LLMEngine, group: LocalGroup | None) -> None:
@@ -161,9 +190,3 @@ def _shutdown(engine: LLMEngine, group: LocalGroup | None) -> None:
     finally:
         if group is not None:
             group.stop()
-
-
-def _trim_stop(text: str, stops: list[str]) -> str | None:
-    """text cut before the earliest stop string, or None if none occurs."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return None if cut < 0 else text[:cut]

@@ -2,7 +2,11 @@
 
 `write_demo_model(DIR, DemoSpec(...))` writes `config.json`, `generation_config.json`,
 `model.safetensors`, `tokenizer.json` and `tokenizer_config.json` so that both
-pipeserve and `transformers.AutoModelForCausalLM` / `AutoTokenizer` load it. The
+pipeserve and `transformers.AutoModelForCausalLM` / `AutoTokenizer` load it.
+`DemoSpec(bos=True)` writes a Llama-3-like tokenizer instead: a `<|begin_of_text|>`
+BOS added by the tokenizer's post-processor (TemplateProcessing; `add_bos_token`
+in tokenizer_config.json) and written by the chat template, which lives in
+`chat_template.jinja` (transformers 5's layout; no `chat_template` key). The
 same spec always gives byte-identical weights (a seeded CPU generator), and the
 tokenizer is a byte-level BPE trained here on `corpus.txt`, which ships with the
 package: nothing is fetched.
@@ -21,9 +25,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 EOS_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|begin_of_text|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
@@ -35,6 +40,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+BOS_CHAT_TEMPLATE = "{{ bos_token }}" + CHAT_TEMPLATE  # as Llama-3's: the template writes the BOS
 
 SUPPORTED_ARCHES = ("llama", "qwen2")
 
@@ -51,6 +57,7 @@ class DemoSpec:
     max_position_embeddings: int = 2048
     tie_embeddings: bool = False
     seed: int = 0
+    bos: bool = False  # the tokenizer adds a BOS; the chat template is in chat_template.jinja
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHES:
@@ -68,18 +75,25 @@ class DemoSpec:
             raise ValueError("vocab must be >= 300 (256 byte symbols + specials + merges)")
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
+def train_tokenizer(vocab_size: int, bos: bool = False) -> Tokenizer:
     text = resources.files("pipeserve.model").joinpath("corpus.txt").read_text("utf-8")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + ([BOS_TOKEN] if bos else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    if bos:
+        bos_id = tok.token_to_id(BOS_TOKEN)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        )
     return tok
 
 
@@ -116,7 +130,7 @@ def _weights(spec: DemoSpec, vocab: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def _config(spec: DemoSpec, vocab: int, eos_ids: list[int]) -> dict:
+def _config(spec: DemoSpec, vocab: int, eos_ids: list[int], bos_id: int | None) -> dict:
     cfg: dict = {
         "architectures": ["LlamaForCausalLM" if spec.arch == "llama" else "Qwen2ForCausalLM"],
         "model_type": spec.arch,
@@ -132,7 +146,7 @@ def _config(spec: DemoSpec, vocab: int, eos_ids: list[int]) -> dict:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "tie_word_embeddings": spec.tie_embeddings,
-        "bos_token_id": None,
+        "bos_token_id": bos_id,
         "eos_token_id": eos_ids[0],
         "dtype": "float32",
         "torch_dtype": "float32",
@@ -148,23 +162,27 @@ def write_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> Path:
     """Write the checkpoint for `spec` into `out_dir` (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(spec.vocab)
+    tok = train_tokenizer(spec.vocab, spec.bos)
     vocab = tok.get_vocab_size()  # the corpus may yield fewer merges than asked
     eos_ids = [tok.token_to_id(EOS_TOKEN), tok.token_to_id(IM_END)]
+    bos_id = tok.token_to_id(BOS_TOKEN) if spec.bos else None
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
-        "bos_token": None,
+        "bos_token": BOS_TOKEN if spec.bos else None,
         "unk_token": None,
-        "add_bos_token": False,
+        "add_bos_token": spec.bos,
         "model_max_length": spec.max_position_embeddings,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
     }
+    if spec.bos:  # transformers 5's layout: the template in its own file
+        del tok_cfg["chat_template"]
+        (out / "chat_template.jinja").write_text(BOS_CHAT_TEMPLATE)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(_config(spec, vocab, eos_ids), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(_config(spec, vocab, eos_ids, bos_id), indent=2) + "\n")
     gen_cfg = {"eos_token_id": eos_ids, "pad_token_id": eos_ids[0], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     save_file(_weights(spec, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})

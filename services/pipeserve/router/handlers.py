@@ -18,12 +18,14 @@ A client that disconnects cancels its upstream calls, streaming or not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,15 +34,17 @@ from prometheus_client import CollectorRegistry
 from starlette.types import Receive, Scope, Send
 
 from pipeserve.config import RouterConfig
+from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
 from pipeserve.router.errors import APIError
 from pipeserve.router.metrics import RouterMetrics
-from pipeserve.router.protocol import GenParams, check_prompt, parse_chat, parse_completion
+from pipeserve.router.protocol import parse_chat, parse_completion
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.router.responses import SSE_DONE, Formatter, sse
 from pipeserve.router.serving import Choice, Generation
-from pipeserve.router.tokenizer import TokenizerAssets
 from pipeserve.router.upstream import Upstream
+from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
+from pipeserve.tokenizer import TokenizerAssets
 
 MAX_BODY_BYTES = 16 * 2**20  # far above any prompt the context can hold (and JSON token-id lists)
 log = logging.getLogger("pipeserve.router")
@@ -105,7 +109,9 @@ class Router:
         self.config = config
         self.replicas = replicas
         self.registry = registry
-        self.tok = TokenizerAssets.load(config.model)
+        self.tok = TokenizerAssets.load(config.model, config.chat_template)
+        # Tokenization and chat rendering run here, off the event loop (encode releases the GIL).
+        self.tok_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="pipeserve-tokenize")
         self.metrics = RouterMetrics(registry)
         self.upstream = Upstream(replicas, config, self.metrics)
         self.in_flight = 0
@@ -161,9 +167,12 @@ class Router:
         slot = self.acquire_slot()
         try:
             max_len, vocab = self.limits()
-            ids = [self.tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
-            for x in ids:
-                check_prompt(x, "prompt", max_len, vocab)
+            ids = await self._off_loop(
+                lambda: [
+                    self._encode(p, req.add_special_tokens, max_len, "prompt") if isinstance(p, str) else p
+                    for p in req.prompts
+                ]
+            )
             fmt = Formatter(
                 False,
                 f"cmpl-{uuid.uuid4().hex}",
@@ -172,8 +181,11 @@ class Router:
                 req.params.logprobs is not None,
                 req.return_token_ids,
             )
+            params = [
+                self._resolve(x, req.params, "prompt", req.max_tokens_param, max_len, vocab) for x in ids
+            ]
             return await self._generate(
-                request, fmt, ids, req.params, req.stream, req.include_usage, slot, arrival
+                request, fmt, ids, params, req.stream, req.include_usage, slot, arrival
             )
         finally:
             if not slot.handed_off:
@@ -187,8 +199,12 @@ class Router:
         slot = self.acquire_slot()
         try:
             max_len, vocab = self.limits()
-            ids = self.tok.encode(self.tok.render_chat(req.messages))
-            check_prompt(ids, "messages", max_len, vocab)
+            ids = await self._off_loop(
+                lambda: self._encode(
+                    self.tok.render_chat(req.messages), req.add_special_tokens, max_len, "messages"
+                )
+            )
+            params = self._resolve(ids, req.params, "messages", req.max_tokens_param, max_len, vocab)
             fmt = Formatter(
                 True,
                 f"chatcmpl-{uuid.uuid4().hex}",
@@ -198,36 +214,68 @@ class Router:
                 req.return_token_ids,
             )
             return await self._generate(
-                request, fmt, [ids], req.params, req.stream, req.include_usage, slot, arrival
+                request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival
             )
         finally:
             if not slot.handed_off:
                 slot.release()
+
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        """work() on the tokenizer pool; its InvalidRequestError (a bad prompt, a template's
+        raise_exception, no chat template) is a 400 naming the field, on every route."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.tok_pool, work)
+        except InvalidRequestError as e:
+            raise errors.from_invalid_request(e) from None
+
+    def _encode(self, text: str, add_special_tokens: bool, max_len: int, param: str) -> list[int]:
+        """Tokenize one text prompt (in the pool), refusing first what certainly cannot fit."""
+        limit = self.tok.max_prompt_bytes(max_len)
+        # UTF-8 takes 1 to 4 bytes a character: the exact length is needed only in between.
+        if limit is not None and len(text) * 4 > limit:
+            try:
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError as e:  # a surrogate from a field the template wrote
+                raise InvalidRequestError(
+                    param, f"contains a lone surrogate at character {e.start}"
+                ) from None
+            if size > limit:
+                raise InvalidRequestError(
+                    param,
+                    f"This model's maximum context length is {max_len} tokens, and the prompt is "
+                    f"{size} bytes of text: more than any {max_len} tokens can hold ({limit} bytes).",
+                )
+        try:
+            return self.tok.encode(text, add_special_tokens)
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(param, f"contains a lone surrogate at character {e.start}") from None
+
+    @staticmethod
+    def _resolve(
+        ids: list[int], params: SamplingParams, param: str, max_param: str, max_len: int, vocab: int
+    ) -> SamplingParams:
+        """The prompt checked and max_tokens resolved against it (a 400 beyond the context, as vLLM)."""
+        try:
+            check_prompt(ids, params, max_len, vocab, param)
+            max_tokens = resolve_max_tokens(params, len(ids), max_len, strict=True, param=max_param)
+        except InvalidRequestError as e:
+            raise errors.from_invalid_request(e) from None
+        return dataclasses.replace(params, max_tokens=max_tokens)
 
     async def _generate(
         self,
         request: Request,
         fmt: Formatter,
         prompts: list[list[int]],
-        params: GenParams,
+        params: list[SamplingParams],
         stream: bool,
         include_usage: bool,
         slot: Slot,
         arrival: float,
     ) -> Response:
-        max_len, vocab = self.limits()
         choices = [
-            Choice(
-                self.upstream,
-                self.tok,
-                i,
-                ids,
-                params.to_proto(len(ids), max_len, vocab),
-                params.stop,
-                f"{fmt.id}-{i}",
-                arrival,
-            )
-            for i, ids in enumerate(prompts)
+            Choice(self.upstream, self.tok, i, ids, p, f"{fmt.id}-{i}", arrival)
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
         gen = Generation(choices)
         if not stream:

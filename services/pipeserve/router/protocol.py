@@ -1,34 +1,47 @@
-"""OpenAI request bodies -> validated internal requests.
+"""OpenAI request bodies -> validated internal requests carrying SamplingParams.
 
 `parse_completion(body)` and `parse_chat(body)` take the decoded JSON body and
 return a CompletionRequest / ChatRequest or raise APIError (400, naming the
-field). Rules:
+field the client sent). Rules:
 * Unknown fields are ignored (clients send extra ones); JSON null means "not
   given" for every optional field.
+* The sampling fields are read by SamplingParams' own annotations (an `int`
+  field takes a JSON integer, a `float` one a finite number, `list[str]` a
+  string or a list of strings...), and range-checked by SamplingParams itself:
+  the router and stage 0 run the same checks. Only `max_tokens` (chat's
+  `max_completion_tokens`, default "up to the context") and `logprobs` (chat's
+  `logprobs` + `top_logprobs`) differ per endpoint and are read here.
 * Types are strict: an integer field takes a JSON integer (not a bool, not a
-  string), a number field a finite int/float, a bool field true/false.
-* Ranges follow vLLM/OpenAI (temperature >= 0, top_p in (0, 1], logprobs
-  0..20, max_tokens >= 1 ...); the sampling ranges are SamplingParams' own
-  checks, so the router and stage 0 agree on what is valid.
+  string), a number field a finite int/float (an integer too large for a
+  float is refused, not an overflow), a bool field true/false.
+* Text (prompt, message role/content/name, model, stop strings) must be
+  valid Unicode: a lone surrogate ("\\ud800" in JSON) cannot be tokenized or
+  echoed, so it is a 400 naming the field; messages never quote the value.
 * Features the engine does not implement are refused, not ignored: n != 1,
-  best_of != 1, echo, non-zero penalties, logit_bias, a JSON response_format.
-* What needs the tokenizer or the groups' limits (empty prompt after
-  tokenization, prompt length vs max_model_len, token ids vs vocab_size) is
-  checked later by `check_prompt` / `GenParams.to_proto`.
+  best_of != 1, echo, suffix, non-zero penalties, logit_bias, a
+  response_format (completions: any; chat: other than text), tools,
+  tool_choice, functions, `stream_options` without `stream: true`.
+* `add_special_tokens` (vLLM's extension) is true by default for
+  completions (the tokenizer's BOS, as `tokenizer(text)`), false for chat
+  (the template writes it).
+* What needs the tokenizer or the groups' limits (empty prompt, prompt
+  length vs max_model_len, token ids vs vocab_size, max_tokens vs the
+  context) is checked later by sampling_params.check_prompt /
+  resolve_max_tokens.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
-from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.sampling_params import SamplingParams
 
 _MISSING = object()
+_PER_ENDPOINT = ("max_tokens", "logprobs")  # read by each parser, not by their annotation
 
 
 def _get(body: dict, key: str) -> Any:
@@ -36,12 +49,24 @@ def _get(body: dict, key: str) -> Any:
     return _MISSING if value is None else value
 
 
+def check_text(value: str, param: str) -> str:
+    """`value`, if it encodes as UTF-8; a lone surrogate is a 400 that does not echo it."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise errors.invalid(
+                param, f"contains a lone surrogate at character {e.start} (invalid Unicode)"
+            ) from None
+    return value
+
+
 def _int(body: dict, key: str, default: Any) -> Any:
     v = _get(body, key)
     if v is _MISSING:
         return default
     if not isinstance(v, int) or isinstance(v, bool):
-        raise errors.invalid(key, f"must be an integer, got {v!r}")
+        raise errors.invalid(key, f"must be an integer, got {_short(v)}")
     return v
 
 
@@ -49,119 +74,105 @@ def _number(body: dict, key: str, default: Any) -> Any:
     v = _get(body, key)
     if v is _MISSING:
         return default
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise errors.invalid(key, f"must be a finite number, got {v!r}")
-    return float(v)
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        try:
+            f = float(v)  # an integer literal of hundreds of digits overflows here
+        except OverflowError:
+            f = math.inf
+        if math.isfinite(f):
+            return f
+    raise errors.invalid(key, f"must be a finite number, got {_short(v)}")
 
 
-def _bool(body: dict, key: str, default: bool) -> bool:
+def _bool(body: dict, key: str, default: Any) -> Any:
     v = _get(body, key)
     if v is _MISSING:
         return default
     if not isinstance(v, bool):
-        raise errors.invalid(key, f"must be a boolean, got {v!r}")
+        raise errors.invalid(key, f"must be a boolean, got {_short(v)}")
     return v
+
+
+def _strings(body: dict, key: str, default: Any) -> Any:
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise errors.invalid(key, "must be a string or a list of strings")
+    return [check_text(s, key) for s in v]
+
+
+def _ints(body: dict, key: str, default: Any) -> Any:
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if not _token_list(v):
+        raise errors.invalid(key, "must be a list of integers")
+    return v
+
+
+def _short(v: Any) -> str:
+    text = repr(v)  # repr escapes lone surrogates, so the message always renders
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _token_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
-@dataclass
-class GenParams:
-    max_tokens: int | None  # None: up to the context length (chat's default)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; k: the token's logprob and the top k
-
-    def to_proto(self, prompt_len: int, max_model_len: int, vocab_size: int) -> pb.SamplingParams:
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise errors.invalid(
-                "stop_token_ids", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
-            )
-        # More than the context can never be generated; the cap also keeps the value in uint32.
-        limit = max(1, max_model_len - prompt_len)
-        max_tokens = limit if self.max_tokens is None else min(self.max_tokens, max_model_len)
-        p = pb.SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else -1,
-            min_p=self.min_p,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-        )
-        if self.seed is not None:
-            p.seed = self.seed
-        if self.logprobs is not None:
-            p.logprobs = self.logprobs
-        return p
+# How each SamplingParams annotation is read from JSON. A field whose type is not here
+# fails at import: give it a reader (or read it per endpoint).
+_READERS = {
+    int: _int,
+    int | None: _int,
+    float: _number,
+    bool: _bool,
+    list[str]: _strings,
+    list[int]: _ints,
+}
+_HINTS = get_type_hints(SamplingParams)
+_SAMPLING_FIELDS = [
+    (f.name, _READERS[_HINTS[f.name]], f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
+    for f in fields(SamplingParams)
+    if f.name not in _PER_ENDPOINT
+]
 
 
 @dataclass
 class CompletionRequest:
     model: str | None
     prompts: list[str | list[int]]
-    params: GenParams
+    params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM's extension: token ids in every choice and chunk
+    add_special_tokens: bool = True
+    max_tokens_param: str = "max_tokens"  # the field the client sent, for errors
 
 
 @dataclass
 class ChatRequest:
     model: str | None
     messages: list[dict]
-    params: GenParams
+    params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    add_special_tokens: bool = False
+    max_tokens_param: str = "max_tokens"
 
 
-def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> GenParams:
-    """The sampling fields both endpoints share, range-checked by SamplingParams."""
-    stop = _get(body, "stop")
-    if stop is _MISSING:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise errors.invalid("stop", "must be a string or a list of strings")
-    stop_ids = _get(body, "stop_token_ids")
-    stop_ids = [] if stop_ids is _MISSING else stop_ids
-    if not _token_list(stop_ids):
-        raise errors.invalid("stop_token_ids", "must be a list of integers")
-    seed = _int(body, "seed", None)
-    if seed is not None and seed >= 2**64:
-        raise errors.invalid("seed", "must be < 2**64")
-    top_k = _int(body, "top_k", -1)
-    if top_k >= 2**31:
-        raise errors.invalid("top_k", "must be < 2**31")
-    values = dict(
-        max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=-1 if top_k == 0 else top_k,
-        min_p=_number(body, "min_p", 0.0),
-        seed=seed,
-        stop=stop,
-        stop_token_ids=stop_ids,
-        ignore_eos=_bool(body, "ignore_eos", False),
-        logprobs=logprobs,
-    )
+def _sampling(
+    body: dict, max_tokens: int | None, max_tokens_param: str, logprobs: int | None
+) -> SamplingParams:
+    values = {name: read(body, name, default) for name, read, default in _SAMPLING_FIELDS}
     try:
-        SamplingParams(**{**values, "max_tokens": 1 if max_tokens is None else max_tokens})
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
     except InvalidRequestError as e:
-        raise errors.from_invalid_request(e) from None
-    _refuse_unsupported(body)
-    return GenParams(**values)
+        param = max_tokens_param if e.param == "max_tokens" else e.param
+        raise errors.invalid(param, e.message) from None
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -182,6 +193,8 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
     options = _get(body, "stream_options")
     if options is _MISSING:
         return stream, False
+    if not stream:
+        raise errors.invalid("stream_options", "is only allowed with stream: true")
     if not isinstance(options, dict):
         raise errors.invalid("stream_options", "must be an object")
     return stream, _bool(options, "include_usage", False)
@@ -192,13 +205,18 @@ def _model(body: dict) -> str | None:
     if model is _MISSING:
         return None
     if not isinstance(model, str):
-        raise errors.invalid("model", f"must be a string, got {model!r}")
-    return model
+        raise errors.invalid("model", f"must be a string, got {_short(model)}")
+    return check_text(model, "model")
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise errors.invalid(None, "the request body must be a JSON object")
+    return body
 
 
 def parse_completion(body: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise errors.invalid(None, "the request body must be a JSON object")
+    body = _object(body)
     prompt = _get(body, "prompt")
     if prompt is _MISSING:
         raise errors.invalid("prompt", "is required")
@@ -210,6 +228,9 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise errors.invalid(
             "prompt", "must be a string, a list of strings, a list of token ids or a list of token-id lists"
         )
+    for p in prompts:
+        if isinstance(p, str):
+            check_text(p, "prompt")
     if _bool(body, "echo", False):
         raise errors.invalid("echo", "is not supported")
     if _int(body, "best_of", 1) != 1:
@@ -217,11 +238,20 @@ def parse_completion(body: Any) -> CompletionRequest:
     suffix = _get(body, "suffix")
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
-    logprobs = _int(body, "logprobs", None)
-    params = _common(body, _int(body, "max_tokens", 16), logprobs)
+    if _get(body, "response_format") is not _MISSING:
+        raise errors.invalid("response_format", "is not supported on /v1/completions")
+    params = _sampling(body, _int(body, "max_tokens", 16), "max_tokens", _int(body, "logprobs", None))
+    _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
-    ids = _bool(body, "return_token_ids", False)
-    return CompletionRequest(_model(body), prompts, params, stream, include_usage, ids)
+    return CompletionRequest(
+        _model(body),
+        prompts,
+        params,
+        stream,
+        include_usage,
+        _bool(body, "return_token_ids", False),
+        _bool(body, "add_special_tokens", True),
+    )
 
 
 def _message(i: int, m: Any) -> dict:
@@ -247,44 +277,54 @@ def _message(i: int, m: Any) -> dict:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise errors.invalid(f"{param}.content", "must be a string or a list of content parts")
-    return {**m, "role": role, "content": content}
+    out = {**m, "role": role, "content": content}
+    for key, value in out.items():  # every text the template may write into the prompt
+        if isinstance(value, str):
+            check_text(value, f"{param}.{key}")
+    return out
+
+
+def _refuse_tools(body: dict) -> None:
+    for key in ("tools", "functions"):
+        v = _get(body, key)
+        if v is not _MISSING and v != []:
+            raise errors.invalid(key, "tool calling is not supported")
+    for key in ("tool_choice", "function_call"):
+        v = _get(body, key)
+        if v is not _MISSING and v != "none":
+            raise errors.invalid(key, "tool calling is not supported")
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    if not isinstance(body, dict):
-        raise errors.invalid(None, "the request body must be a JSON object")
+    body = _object(body)
     messages = _get(body, "messages")
     if not isinstance(messages, list) or not messages:
         raise errors.invalid("messages", "must be a non-empty list of messages")
     parsed = [_message(i, m) for i, m in enumerate(messages)]
-    max_tokens = _int(body, "max_completion_tokens", _MISSING)
-    if max_tokens is _MISSING:
-        max_tokens = _int(body, "max_tokens", None)
+    max_param = (
+        "max_completion_tokens" if _get(body, "max_completion_tokens") is not _MISSING else "max_tokens"
+    )
+    max_tokens = _int(body, max_param, None)
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None)
     if top is not None and not want_logprobs:
         raise errors.invalid("top_logprobs", "requires logprobs to be true")
     if top is not None and not 0 <= top <= 20:
-        raise errors.invalid("top_logprobs", f"must be in [0, 20], got {top}")
+        raise errors.invalid("top_logprobs", f"must be in [0, 20], got {_short(top)}")
     fmt = _get(body, "response_format")
     if fmt is not _MISSING and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise errors.invalid("response_format", "only {'type': 'text'} is supported")
-    params = _common(body, max_tokens, (top or 0) if want_logprobs else None)
+    _refuse_tools(body)
+    params = _sampling(body, max_tokens, max_param, (top or 0) if want_logprobs else None)
+    _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
-    ids = _bool(body, "return_token_ids", False)
-    return ChatRequest(_model(body), parsed, params, stream, include_usage, ids)
-
-
-def check_prompt(ids: list[int], param: str, max_model_len: int, vocab_size: int) -> None:
-    """A tokenized prompt the groups can take: non-empty, in the vocabulary, shorter than the context."""
-    if not ids:
-        raise errors.invalid(param, "the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise errors.invalid(param, f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    if len(ids) >= max_model_len:
-        raise errors.invalid(
-            param,
-            f"This model's maximum context length is {max_model_len} tokens, and the prompt has "
-            f"{len(ids)} tokens: no room to generate.",
-        )
+    return ChatRequest(
+        _model(body),
+        parsed,
+        params,
+        stream,
+        include_usage,
+        _bool(body, "return_token_ids", False),
+        _bool(body, "add_special_tokens", False),
+        max_param,
+    )

@@ -21,16 +21,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pipeserve.detokenize import TextStream
 from pipeserve.router import errors
 from pipeserve.router.errors import APIError
 from pipeserve.router.responses import ChoiceResult, TokenLP
-from pipeserve.router.tokenizer import TokenizerAssets
 from pipeserve.router.upstream import GenerateStream, Upstream, UpstreamFailure
 from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.rpc.convert import sampling_to_proto
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.tokenizer import TokenizerAssets
 
 log = logging.getLogger("pipeserve.router")
 
@@ -50,19 +52,18 @@ class Choice:
         tok: TokenizerAssets,
         index: int,
         prompt_ids: list[int],
-        sampling: pb.SamplingParams,
-        stops: Sequence[str],
+        params: SamplingParams,
         request_id: str,
         arrival: float,
     ) -> None:
         self.upstream = upstream
         self.index = index
         self.prompt_ids = prompt_ids
-        self.sampling = sampling
+        self.sampling = sampling_to_proto(params)  # max_tokens already resolved against the prompt
         self.request_id = request_id
         self.arrival = arrival
-        self.keep_logprobs = sampling.HasField("logprobs")
-        self.text = TextStream(tok.decode, stops)
+        self.keep_logprobs = params.logprobs is not None
+        self.text = TextStream(tok.decode, params.stop)
         self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids), prompt_token_ids=list(prompt_ids))
         self._stream: GenerateStream | None = None
         self._first: pb.GenerateResponse | None = None

@@ -45,8 +45,8 @@ from pipeserve.engine.engine import LLMEngine
 from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
+from pipeserve.rpc.convert import sampling_from_proto
 from pipeserve.rpc.metadata import ADMITTED_KEY
-from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.engine_loop import (
     Delta,
     DuplicateRequest,
@@ -67,20 +67,6 @@ _ERROR_CODES = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.FAILED: grpc.StatusCode.INTERNAL,
 }
-
-
-def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
 
 
 def delta_to_proto(d: Delta) -> pb.GenerateResponse:

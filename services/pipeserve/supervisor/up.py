@@ -64,6 +64,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--wedge-grace", type=float, default=StageServeConfig.wedge_grace_s, metavar="SEC")
     u.add_argument("--api-key", default=os.environ.get("PIPESERVE_API_KEY"))
     u.add_argument("--max-concurrency", type=int, default=RouterConfig.max_concurrency)
+    u.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
     u.add_argument("--drain-timeout", type=float, default=StageServeConfig.drain_timeout_s, metavar="SEC")
     u.add_argument("--log-dir", default=None, help="stage logs go to DIR/group-G-stage-K.log")
     add_config_args(u, EngineConfig)
@@ -96,6 +97,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeCon
         policy=args.policy,
         api_key=args.api_key or None,
         max_concurrency=args.max_concurrency,
+        chat_template=args.chat_template,
     )
     return engine, serve, router
 

@@ -1,0 +1,72 @@
+"""SamplingParams <-> pb.SamplingParams, both ways, by field name.
+
+The router builds the GenerateRequest with `sampling_to_proto`; stage 0 reads
+it with `sampling_from_proto`. Both walk the dataclass fields, so a field
+added to SamplingParams and to generation.proto under the same name travels
+without an edit here. Fields marked ROUTER_ONLY (`stop`) are not sent.
+
+Contract:
+* every field of pb.SamplingParams is a wire field of SamplingParams and the
+  other way round; checked when this module is imported, so a half-added
+  field fails at start-up, not on the first request;
+* a proto3 `optional` field is unset exactly when the Python value is None
+  (HasField), a `repeated` field is a list, anything else a scalar;
+* `max_tokens` must be resolved (an int) before it goes on the wire: None
+  ("up to the context") is resolved by the router against the prompt.
+`sampling_from_proto` validates (SamplingParams' own checks): a bad message
+from any client is an InvalidRequestError naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.sampling_params import SamplingParams
+
+_PROTO = pb.SamplingParams.DESCRIPTOR.fields_by_name
+WIRE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.metadata.get("wire", True))
+
+
+def _check_schema() -> None:
+    missing = set(WIRE_FIELDS) - set(_PROTO)
+    extra = set(_PROTO) - set(WIRE_FIELDS)
+    if missing or extra:
+        raise TypeError(
+            "SamplingParams and generation.proto disagree: "
+            f"not in the proto {sorted(missing)}, not in SamplingParams {sorted(extra)}"
+        )
+
+
+_check_schema()
+
+
+def _repeated(name: str) -> bool:
+    return _PROTO[name].is_repeated
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    if params.max_tokens is None:
+        raise ValueError("max_tokens must be resolved against the prompt before it is sent")
+    msg = pb.SamplingParams()
+    for name in WIRE_FIELDS:
+        value = getattr(params, name)
+        if value is None:
+            continue  # an optional field left unset
+        if _repeated(name):
+            getattr(msg, name).extend(value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    values = {}
+    for name in WIRE_FIELDS:
+        if _PROTO[name].has_presence and not _repeated(name) and not msg.HasField(name):
+            values[name] = None
+        elif _repeated(name):
+            values[name] = list(getattr(msg, name))
+        else:
+            values[name] = getattr(msg, name)
+    return SamplingParams(**values)
