@@ -172,8 +172,54 @@ CHAT = st.fixed_dictionaries(
         "tool_choice": ANY,
     },
 )
-REQUEST = st.tuples(st.just("/v1/completions"), COMPLETION | ANY) | st.tuples(
-    st.just("/v1/chat/completions"), CHAT | ANY
+HOSTILE = FLOATS | INTS | ANY | TEXT | st.lists(st.integers(), max_size=3)
+# Valid requests (short generations), then 0-2 fields replaced or added with hostile values:
+# most draws then fail in exactly one field, the way a client's single mistake does.
+OK_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=30)
+VALID = {
+    "temperature": st.floats(0, 2) | st.sampled_from(DEATH_TEMPERATURES),
+    "top_p": st.floats(0, 1, exclude_min=True) | st.just(1e-12),
+    "top_k": st.integers(-1, 5000),
+    "min_p": st.floats(0, 1),
+    "seed": st.integers(0, 2**63),
+    "stop": st.lists(OK_TEXT, max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "return_token_ids": st.booleans(),
+}
+VALID_COMPLETION = st.fixed_dictionaries(
+    {"model": st.just(NAME), "prompt": OK_TEXT | TOKEN_IDS, "max_tokens": st.integers(1, 8)},
+    optional={**VALID, "logprobs": st.integers(0, 5)},
+)
+VALID_CHAT = st.fixed_dictionaries(
+    {
+        "model": st.just(NAME),
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": OK_TEXT}),
+            min_size=1,
+            max_size=2,
+        ),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional={**VALID, "logprobs": st.booleans()},
+)
+
+
+def _mutated(valid: st.SearchStrategy, fields: list[str]) -> st.SearchStrategy:
+    edits = st.lists(st.tuples(st.sampled_from(fields), HOSTILE), max_size=2)
+    return st.builds(lambda body, changes: {**body, **dict(changes)}, valid, edits)
+
+
+COMPLETION_FIELDS = ["prompt", *SAMPLING, "logprobs", "echo", "best_of", "suffix"]
+CHAT_FIELDS = ["messages", *SAMPLING, "max_completion_tokens", "logprobs", "top_logprobs", "tools"]
+REQUEST = (
+    st.tuples(st.just("/v1/completions"), _mutated(VALID_COMPLETION, COMPLETION_FIELDS))
+    | st.tuples(st.just("/v1/chat/completions"), _mutated(VALID_CHAT, CHAT_FIELDS))
+    | st.tuples(st.just("/v1/completions"), _mutated(VALID_COMPLETION, COMPLETION_FIELDS))
+    | st.tuples(st.just("/v1/chat/completions"), _mutated(VALID_CHAT, CHAT_FIELDS))
+    | st.tuples(st.just("/v1/completions"), COMPLETION | ANY)
+    | st.tuples(st.just("/v1/chat/completions"), CHAT | ANY)
 )
 
 
