@@ -319,6 +319,78 @@ MUTANTS = [
         "        slot = self.acquire_slot()",
         "tests/test_router_edge.py -k batch",
     ),
+    # --- one sampling schema, tokenization like transformers ---
+    (
+        "completions text encoded without the tokenizer's special tokens",
+        "services/pipeserve/tokenizer.py",
+        "encode_batch([text], add_special_tokens=add_special_tokens)",
+        "encode_batch([text], add_special_tokens=False)",
+        "tests/test_tokenization.py -k 'matches_transformers'",
+    ),
+    (
+        "chat_template.jinja ignored (transformers 5 layout)",
+        "services/pipeserve/tokenizer.py",
+        "    if jinja_file.is_file():",
+        "    if False:",
+        "tests/test_tokenization.py -k 'template_comes_from'",
+    ),
+    (
+        "max_tokens beyond the context silently capped",
+        "services/pipeserve/sampling_params.py",
+        "    if strict and params.max_tokens > room:",
+        "    if False:",
+        "tests/test_router_protocol.py -k beyond",
+    ),
+    (
+        "the shared prompt check skips stop token ids (engine and router)",
+        "services/pipeserve/sampling_params.py",
+        "    bad = [t for t in params.stop_token_ids if t >= vocab_size]",
+        "    bad = []",
+        "tests/test_sampling_schema.py -k engine",
+    ),
+    (
+        "no byte-length pre-check: a huge prompt is tokenized",
+        "services/pipeserve/tokenizer.py",
+        "        if limit is not None and size > limit:",
+        "        if False:",
+        "tests/test_tokenization.py -k 15mb",
+    ),
+    # --- GGUF checkpoints, the default model ---
+    (
+        "GGUF q rows left in llama.cpp's rope order",
+        "services/pipeserve/model/gguf.py",
+        '            w = unpermute_rows(w, config["num_attention_heads"])',
+        "            w = w",
+        "tests/test_gguf.py -k round_trip_gives_back",
+    ),
+    (
+        "GGUF k rows un-permuted with the query head count",
+        "services/pipeserve/model/gguf.py",
+        'unpermute_rows(w, config["num_key_value_heads"])',
+        'unpermute_rows(w, config["num_attention_heads"])',
+        "tests/test_gguf.py -k round_trip_gives_back",
+    ),
+    (
+        "GGUF control tokens not matched whole",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        "            if k == CONTROL",
+        "            if k == -1",
+        "tests/test_gguf.py -k round_trip_config_and_tokenizer",
+    ),
+    (
+        "GGUF smollm pre-tokenizer without llama.cpp's digit split",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        '[pre_tokenizers.Split(Regex(r"\\p{N}"), behavior="isolated"), _GPT2]',
+        "[_GPT2]",
+        "tests/test_gguf.py -k tokenizer_equals_transformers",
+    ),
+    (
+        "a failed GGUF conversion leaves its temporary directory",
+        "services/pipeserve/model/gguf.py",
+        "        shutil.rmtree(tmp, ignore_errors=True)\n        raise",
+        "        raise",
+        "tests/test_gguf.py -k refuses",
+    ),
 ]
 only = sys.argv[1:]
 green = 0

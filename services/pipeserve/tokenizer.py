@@ -111,6 +111,26 @@ class TokenizerAssets:
         # encode_batch releases the GIL (encode does not): other threads run meanwhile.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_prompt(self, text: str, add_special_tokens: bool, max_model_len: int, param: str) -> list[int]:
+        """Tokenize a prompt, refusing first (InvalidRequestError naming `param`) what certainly
+        cannot fit in max_model_len tokens, by its length alone: a 15 MB text is never tokenized."""
+        limit = self.max_prompt_bytes(max_model_len)
+        size = len(text)  # characters: a lower bound of the UTF-8 bytes, and enough when over the limit
+        if (limit is None or size <= limit) and not text.isascii():
+            try:
+                size = len(text.encode("utf-8"))
+            except UnicodeEncodeError as e:  # a lone surrogate (from a field a chat template wrote)
+                raise InvalidRequestError(
+                    param, f"contains a lone surrogate at character {e.start}"
+                ) from None
+        if limit is not None and size > limit:
+            raise InvalidRequestError(
+                param,
+                f"This model's maximum context length is {max_model_len} tokens, and the prompt is at "
+                f"least {size} bytes of text: more than {max_model_len} tokens can hold ({limit} bytes).",
+            )
+        return self.encode(text, add_special_tokens)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

@@ -169,7 +169,9 @@ class Router:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
                 lambda: [
-                    self._encode(p, req.add_special_tokens, max_len, "prompt") if isinstance(p, str) else p
+                    self.tok.encode_prompt(p, req.add_special_tokens, max_len, "prompt")
+                    if isinstance(p, str)
+                    else p
                     for p in req.prompts
                 ]
             )
@@ -200,7 +202,7 @@ class Router:
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
-                lambda: self._encode(
+                lambda: self.tok.encode_prompt(
                     self.tok.render_chat(req.messages), req.add_special_tokens, max_len, "messages"
                 )
             )
@@ -227,28 +229,6 @@ class Router:
             return await asyncio.get_running_loop().run_in_executor(self.tok_pool, work)
         except InvalidRequestError as e:
             raise errors.from_invalid_request(e) from None
-
-    def _encode(self, text: str, add_special_tokens: bool, max_len: int, param: str) -> list[int]:
-        """Tokenize one text prompt (in the pool), refusing first what certainly cannot fit."""
-        limit = self.tok.max_prompt_bytes(max_len)
-        # UTF-8 takes 1 to 4 bytes a character: the exact length is needed only in between.
-        if limit is not None and len(text) * 4 > limit:
-            try:
-                size = len(text.encode("utf-8"))
-            except UnicodeEncodeError as e:  # a surrogate from a field the template wrote
-                raise InvalidRequestError(
-                    param, f"contains a lone surrogate at character {e.start}"
-                ) from None
-            if size > limit:
-                raise InvalidRequestError(
-                    param,
-                    f"This model's maximum context length is {max_len} tokens, and the prompt is "
-                    f"{size} bytes of text: more than any {max_len} tokens can hold ({limit} bytes).",
-                )
-        try:
-            return self.tok.encode(text, add_special_tokens)
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(param, f"contains a lone surrogate at character {e.start}") from None
 
     @staticmethod
     def _resolve(
