@@ -197,7 +197,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "round_robin"
-    api_key: str | None = None  # Bearer token required on /v1/*; None: open
+    api_key: str | None = None  # Bearer token for /v1/*, /groups, /openapi.json; None: open
     max_concurrency: int = 256  # requests in flight at the router; more get 429
     health_interval_s: float = 0.5  # how often every group's Health and Load are polled
     rpc_timeout_s: float = 2.0  # deadline of Health, Load and Abort calls
@@ -211,6 +211,12 @@ class RouterConfig:
     # (chat_template.jinja, else tokenizer_config.json's chat_template).
     chat_template: str | None = None
     tokenizer_threads: int = 2  # the router's pool for tokenization and chat rendering (off the event loop)
+    # Slow or hostile clients (router/http_guard.py): a connection's request line and headers must arrive
+    # within header_timeout_s of its start (or of its previous response) and fit in max_header_bytes;
+    # a body must arrive whole within body_timeout_s of its headers. Otherwise 408 / 431, closed.
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 65536
+    body_timeout_s: float = 30.0
 
     @property
     def model_name(self) -> str:
@@ -230,8 +236,11 @@ class RouterConfig:
             "stream_idle_timeout_s",
             "health_generate_recent_s",
             "probe_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
         ):
             need(getattr(self, name) > 0, name, "must be > 0")
         need(self.affinity_overload >= 0, "affinity_overload", "must be >= 0")
         need(self.chat_template is None or bool(self.chat_template), "chat_template", "must not be empty")
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
+        need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")

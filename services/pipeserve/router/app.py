@@ -14,12 +14,18 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health (200 when a group is ready, else 503), GET /health_generate,
 GET /metrics (the whole `registry`, so metrics others register on it show
-too). Callers may add routes to the returned app.
+too), GET /openapi.json (API key required when one is set, like /v1/*).
+Callers may add routes to the returned app.
 
 Every error, including FastAPI's own (404 unknown path, 405 method, request
-validation) and unexpected exceptions (500), is answered in OpenAI's shape
-{"error": {"message", "type", "param", "code"}}. A client that disconnected
-before its response was ready is logged as 499 (nothing reaches it).
+validation), an InvalidRequestError raised anywhere (400) and unexpected
+exceptions (500), is answered in OpenAI's shape {"error": {"message", "type",
+"param", "code"}}, and logged as one line (a traceback only for a 500). A
+client that disconnected before its response was ready, even in the middle of
+its body, is counted and logged as 499 (nothing reaches it).
+
+`uvicorn_server` serves with router/http_guard.py's protocol (header deadline
+and size cap) and ends open streams before the graceful-shutdown deadline.
 """
 
 from __future__ import annotations
@@ -28,17 +34,19 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pipeserve.config import RouterConfig
+from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
 from pipeserve.router.errors import APIError
 from pipeserve.router.handlers import ClientGone, Router
+from pipeserve.router.http_guard import RouterServer, server_config
 from pipeserve.router.metrics import RequestMetrics
 from pipeserve.router.replicas import ReplicaSet
 
@@ -55,7 +63,9 @@ def build_app(config: RouterConfig, replicas: ReplicaSet, registry: CollectorReg
         yield
         await router.upstream.close()
 
-    app = FastAPI(title="pipeserve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="pipeserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.router = router
     app.add_middleware(RequestMetrics, metrics=router.metrics)
     _install_error_handlers(app)
@@ -84,28 +94,53 @@ def build_app(config: RouterConfig, replicas: ReplicaSet, registry: CollectorReg
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        router.check_auth(request)
+        return JSONResponse(app.openapi())
+
     return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    def answer(request: Request, err: APIError) -> Response:
+        # One line per refused request: what a client was told, never a traceback.
+        level = logging.WARNING if err.status >= 500 else logging.INFO
+        log.log(level, "%s %s -> %d: %s", request.method, request.url.path, err.status, err.message[:300])
+        return errors.error_response(err)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        return errors.error_response(exc)
+        return answer(request, exc)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> Response:
+        return answer(request, errors.from_invalid_request(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         message = first.get("msg", "invalid request")
-        return errors.error_response(errors.invalid(".".join(loc) or None, message))
+        return answer(request, errors.invalid(".".join(loc) or None, message))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        err = errors.http_error(exc.status_code, exc.detail)
-        return errors.error_response(err) if exc.headers is None else _with_headers(err, exc.headers)
+        response = answer(request, errors.http_error(exc.status_code, exc.detail))
+        if exc.headers is not None:
+            response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> Response:
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        log.info(
+            "%s %s -> %d: the client disconnected %s",
+            request.method,
+            request.url.path,
+            CLIENT_CLOSED,
+            exc or "before its response was ready",
+        )
         return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
@@ -114,17 +149,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return errors.error_response(errors.internal("internal server error"))
 
 
-def _with_headers(err: APIError, headers: dict[str, str]) -> Response:
-    response = errors.error_response(err)
-    response.headers.update(headers)
-    return response
-
-
-def uvicorn_server(app: FastAPI, config: RouterConfig, **kwargs: object) -> uvicorn.Server:
+def uvicorn_server(app: FastAPI, config: RouterConfig, **kwargs: object) -> RouterServer:
     """A uvicorn server for `app` on config.host:config.port; `await server.serve()` in the replicas' loop.
 
     Outside the main thread uvicorn installs no signal handlers: set `server.should_exit = True` to stop it.
     """
-    options: dict = {"host": config.host, "port": config.port, "log_level": "warning", "lifespan": "on"}
-    options.update(kwargs)
-    return uvicorn.Server(uvicorn.Config(app, **options))
+    return RouterServer(server_config(app, config, **kwargs))

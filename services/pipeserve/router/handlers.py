@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from pipeserve.config import RouterConfig
@@ -47,9 +48,14 @@ from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_
 from pipeserve.tokenizer import TokenizerAssets
 
 MAX_BODY_BYTES = 16 * 2**20  # far above any prompt the context can hold (and JSON token-id lists)
+BIG_BODY_BYTES = 2**20  # bodies above this are decoded off the event loop
 log = logging.getLogger("pipeserve.router")
 T = TypeVar("T")
 PROBE_TEXT = "Hello"
+
+
+def _decode_json(raw: bytearray) -> Any:
+    return json.loads(raw.decode("utf-8"))  # RFC 8259: a JSON body is UTF-8
 
 
 class ClientGone(Exception):
@@ -92,15 +98,18 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class Slot:
-    def __init__(self, router: Router) -> None:
+    """`prompts` units of max_concurrency, held until released (once; release is idempotent)."""
+
+    def __init__(self, router: Router, prompts: int = 1) -> None:
         self.router = router
+        self.prompts = prompts
         self.handed_off = False  # a streaming response owns it now
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self.router.in_flight -= 1
+            self.router.in_flight -= self.prompts
             self.router.metrics.in_flight.set(self.router.in_flight)
 
 
@@ -117,40 +126,73 @@ class Router:
         self.in_flight = 0
         self.created = int(time.time())
         self._probe_lock = asyncio.Lock()
+        self._ending = asyncio.Event()  # shutdown: open streams end now (end_streams)
 
     # --- admission -----------------------------------------------------------
     def check_auth(self, request: Request) -> None:
         if self.config.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.config.api_key):
+        # Compared as bytes: compare_digest refuses non-ASCII str, and a header is any latin-1 bytes.
+        sent = token.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.config.api_key.encode()):
             raise errors.unauthorized()
 
     async def read_json(self, request: Request) -> Any:
-        """The JSON body, read at most MAX_BODY_BYTES far: a huge body is a 413, not a memory spike."""
+        """The JSON body, read at most MAX_BODY_BYTES far (413) and within body_timeout_s (408).
+
+        A client that disconnects mid-body is ClientGone (499); JSON that Python refuses to decode
+        (an integer literal over its 4,300-digit limit, nesting too deep) is a 400 like any bad JSON.
+        """
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY_BYTES:
-                raise errors.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        timeout = self.config.body_timeout_s
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise errors.invalid(None, f"the request body is not valid JSON: {e}") from None
+            async with asyncio.timeout(timeout):  # a body shorter than its Content-Length ends here
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise errors.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {timeout}s",
+                code="request_timeout",
+                headers={"Connection": "close"},  # the rest of the body is never read
+            ) from None
+        except ClientDisconnect:
+            raise ClientGone(f"after {len(raw)} bytes of its body") from None
+        try:
+            if len(raw) <= BIG_BODY_BYTES:
+                return _decode_json(raw)
+            # A big body decodes in a worker thread: the C decoder holds the GIL, but in two short
+            # calls (UTF-8, then JSON; json.loads on bytes takes a slower path) the loop runs between.
+            return await asyncio.to_thread(_decode_json, raw)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError included
+            raise errors.invalid(None, f"the request body is not valid JSON: {str(e)[:200]}") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
             raise errors.model_not_found(model)
 
-    def acquire_slot(self) -> Slot:
-        if self.in_flight >= self.config.max_concurrency:
-            raise errors.too_many_requests(
-                f"the router has {self.in_flight} requests in flight "
-                f"(max_concurrency {self.config.max_concurrency})"
+    def acquire_slot(self, prompts: int = 1) -> Slot:
+        """Slots for `prompts` upstream calls: a batch of N prompts opens N Generate calls and takes N.
+
+        A batch larger than max_concurrency could never be admitted: 400 (retrying cannot help, as
+        OpenAI answers a prompt list over its limit); one that does not fit now: 429.
+        """
+        limit = self.config.max_concurrency
+        if prompts > limit:
+            raise errors.invalid(
+                "prompt", f"a batch of {prompts} prompts exceeds this server's limit of {limit} per request"
             )
-        self.in_flight += 1
+        if self.in_flight + prompts > limit:
+            raise errors.too_many_requests(
+                f"the router has {self.in_flight} prompts in flight and this request adds {prompts} "
+                f"(max_concurrency {limit})"
+            )
+        self.in_flight += prompts
         self.metrics.in_flight.set(self.in_flight)
-        return Slot(self)
+        return Slot(self, prompts)
 
     def limits(self) -> tuple[int, int]:
         limits = self.replicas.limits()
@@ -164,7 +206,7 @@ class Router:
         self.check_auth(request)
         req = parse_completion(await self.read_json(request))
         self.check_model(req.model)
-        slot = self.acquire_slot()
+        slot = self.acquire_slot(len(req.prompts))
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -288,7 +330,7 @@ class Router:
                 opening = fmt.role_chunk(c.index)
                 if opening is not None:
                     yield sse(opening)
-            async for c, ev in gen.events():
+            async for c, ev in self._unless_ending(gen.events()):
                 if (
                     ev.text
                     or ev.tokens
@@ -304,6 +346,34 @@ class Router:
             log.exception("stream %s failed", fmt.id)
             yield errors.error_event(errors.internal("internal error while streaming"))
         yield SSE_DONE
+
+    def end_streams(self) -> None:
+        """Every open stream ends now with an error event and `[DONE]` (shutdown: RouterServer calls
+        this just before uvicorn's graceful-shutdown deadline cancels the response tasks)."""
+        self._ending.set()
+
+    async def _unless_ending(self, events: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`events`, until end_streams() is called: then an APIError (503) instead of the next one."""
+        ending = asyncio.ensure_future(self._ending.wait())
+        step: asyncio.Future | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(events))
+                await asyncio.wait({step, ending}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    raise errors.unavailable(
+                        "the server is shutting down: the stream ended at its drain deadline"
+                    )
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:  # also when the response is closed early (client gone): nothing stays pending
+            ending.cancel()
+            if step is not None:
+                step.cancel()
 
     # --- the rest of the API -------------------------------------------------
     def models(self, request: Request) -> dict:

@@ -12,13 +12,21 @@ group ready for `stable_s` is forgiven its past failures) and are counted in
 `pipeserve_group_restarts_total{group}`. The router is told at once
 (`set_down`), so it stops routing to the group before its next health poll,
 and keeps serving from the other groups. Blocking process calls run in a
-worker thread: the router shares this event loop.
+worker thread.
+
+In `pipeserve up` the supervisor runs on its own thread and event loop
+(`SupervisorThread`): a client that stalls the router's loop (a CPU-heavy
+request) must not stall the watching and restarting of groups. Whatever it
+calls into the router (`on_down`) must therefore be thread-safe (the caller
+wraps it in `loop.call_soon_threadsafe`); `all_ready` and `failed` are
+threading.Events any thread may read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -61,11 +69,11 @@ class Supervisor:
         for slot in slots:
             self.restarts.labels(slot.name)
             self.group_ready.labels(slot.name).set(0)
-        self.all_ready = asyncio.Event()  # every group was ready at least once
+        self.all_ready = threading.Event()  # every group was ready at least once
         # A stage that cannot start (exit 2: configuration or checkpoint) before its group was ever
         # ready will not start on a retry either: `pipeserve up` gives up instead of looping.
         self.fatal: str | None = None
-        self.failed = asyncio.Event()
+        self.failed = threading.Event()
         self._stopping = False
         self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S)
 
@@ -170,3 +178,64 @@ class Supervisor:
         for slot, c in zip(self.slots, codes, strict=True):
             log.info("%s: stopped, exit statuses %s", slot.name, c)
         await self._client.aclose()
+
+
+class SupervisorThread:
+    """A Supervisor on its own thread and event loop; `start()` starts the groups, `stop()` drains them."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._drain_s = 0.0
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="pipeserve-supervisor", daemon=True)
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start the thread and every group's processes (blocking: call it from a worker thread)."""
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise RuntimeError(f"the supervisor did not start its groups within {timeout_s}s")
+
+    def stop(self, drain_s: float, timeout_s: float) -> None:
+        """Drain and stop every group; blocks at most timeout_s (call it from a worker thread)."""
+        self._drain_s = drain_s
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None:
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # the loop has already ended
+                pass
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("the supervisor did not stop within %.0fs", timeout_s)
+
+    def _main(self) -> None:
+        sup = self.supervisor
+        try:
+            asyncio.run(self._serve())
+        except Exception as e:  # a supervisor bug: `pipeserve up` must give up, not serve unwatched
+            log.exception("the supervisor failed")
+            sup.fatal = sup.fatal or f"the supervisor failed: {e}"
+            sup.failed.set()
+        finally:
+            self._started.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            await self.supervisor.start()
+        finally:
+            self._started.set()
+        watch = asyncio.create_task(self.supervisor.run())
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+        crashed = watch.exception() if watch.done() and not watch.cancelled() else None
+        watch.cancel()
+        stop.cancel()
+        await asyncio.gather(watch, stop, return_exceptions=True)
+        # A crashed watch stops the groups at once (no drain): nothing would restart them any more.
+        await self.supervisor.shutdown(0.0 if crashed else self._drain_s)
+        if crashed is not None:
+            raise crashed

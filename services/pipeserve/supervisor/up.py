@@ -1,7 +1,9 @@
 """`pipeserve up`: R pipeline groups of S stage processes, the router, and their supervisor.
 
-One process runs the router (FastAPI on uvicorn) and the supervisor on one
-asyncio loop; every stage is a child process (`pipeserve stage`) that exits
+One process runs the router (FastAPI on uvicorn, on the main thread's loop)
+and the supervisor (on its own thread and loop, so a client that stalls the
+router cannot stall it; its calls into the router go through
+`call_soon_threadsafe`); every stage is a child process (`pipeserve stage`) that exits
 on its own if this process dies (PIPESERVE_PARENT_PID), so no stage outlives
 it. Start-up prints one line, `pipeserve: serving <model> at http://H:P/v1`,
 once the router listens and every group is ready.
@@ -9,7 +11,9 @@ once the router listens and every group is ready.
 SIGTERM / SIGINT drain: the router stops accepting connections and lets
 in-flight responses finish (drain_timeout_s), every stage 0 drains its
 requests and shuts its ring down cleanly, and stragglers are killed after a
-bounded wait. A second signal skips the drain.
+bounded wait. Streams the drain deadline would cut end with an error event
+and `data: [DONE]` just before it (RouterServer). A second signal skips the
+drain. `/groups` (pids, ports) requires the API key when one is set.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import signal
 import sys
 from collections.abc import Iterator
 
-import uvicorn
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
@@ -37,13 +41,14 @@ from pipeserve.config import (
     config_from_args,
 )
 from pipeserve.errors import ConfigError
+from pipeserve.router.http_guard import RouterServer, server_config
 from pipeserve.stage.launcher import local_group_config
 from pipeserve.supervisor.group import GroupSlot
 
 log = logging.getLogger("pipeserve.up")
 
 
-class _Server(uvicorn.Server):
+class _Server(RouterServer):
     """uvicorn without its own signal handling: `pipeserve up` decides when to stop."""
 
     @contextlib.contextmanager
@@ -105,32 +110,31 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeCon
 async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: RouterConfig, replicas: int) -> int:
     from pipeserve.router.app import build_app
     from pipeserve.router.replicas import ReplicaSet
-    from pipeserve.supervisor.supervisor import Supervisor
+    from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
     registry = CollectorRegistry()
     slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(replicas)]
     targets = {s.name: s.grpc_target for s in slots}
     replica_set = ReplicaSet(router, targets, registry)
-    supervisor = Supervisor(slots, registry, on_down=replica_set.set_down)
+    loop = asyncio.get_running_loop()
+
+    def on_down(name: str, reason: str) -> None:  # called on the supervisor's thread
+        loop.call_soon_threadsafe(replica_set.set_down, name, reason)
+
+    supervisor = Supervisor(slots, registry, on_down=on_down)
+    watcher = SupervisorThread(supervisor)
     app = build_app(router, replica_set, registry)
 
     @app.get("/groups", include_in_schema=False)
-    def groups() -> JSONResponse:
+    def groups(request: Request) -> JSONResponse:
         """The supervisor's view of every group (state, restarts, pids, endpoints) with the router's."""
+        app.state.router.check_auth(request)
         routed = {r["name"]: r for r in replica_set.snapshot()}
         return JSONResponse([{**s.snapshot(), "router": routed.get(s.name)} for s in slots])
 
     server = _Server(
-        uvicorn.Config(
-            app,
-            host=router.host,
-            port=router.port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=int(serve.drain_timeout_s),
-        )
+        server_config(app, router, access_log=False, timeout_graceful_shutdown=int(serve.drain_timeout_s))
     )
-    loop = asyncio.get_running_loop()
     signals = 0
 
     def on_signal() -> None:
@@ -144,20 +148,21 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
-    await supervisor.start()
+    await asyncio.to_thread(watcher.start)
     await replica_set.start()
-    watch = asyncio.create_task(supervisor.run())
     http = asyncio.create_task(server.serve())
 
     async def announce() -> None:
-        await supervisor.all_ready.wait()
+        while not supervisor.all_ready.is_set():  # set on the supervisor's thread
+            await asyncio.sleep(0.1)
         # Ready means routable: the router's own Health polls must see every group ready too.
         while not server.started or not await replica_set.wait_ready(len(slots), timeout_s=1.0):
             await asyncio.sleep(0.05)
         print(f"pipeserve: serving {router.model_name} at http://{router.host}:{router.port}/v1", flush=True)
 
     async def give_up() -> None:
-        await supervisor.failed.wait()
+        while not supervisor.failed.is_set():
+            await asyncio.sleep(0.1)
         log.error("cannot serve: %s", supervisor.fatal)
         server.should_exit = True
 
@@ -166,9 +171,10 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
     await http  # returns after a signal, once in-flight HTTP responses are done (or the drain expired)
     ready.cancel()
     fatal.cancel()
-    watch.cancel()
     await replica_set.close()
-    await supervisor.shutdown(0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s)
+    drain = 0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s
+    # Bounded: the drain, then each slot's kill grace (stages run in parallel), then a margin.
+    await asyncio.to_thread(watcher.stop, drain, drain + supervisor.kill_grace_s + 30.0)
     return 2 if supervisor.fatal else 0
 
 

@@ -1,0 +1,144 @@
+"""One client must not slow everyone: `pipeserve up` under hostile requests (slow; issue 9 section 2).
+
+While a hostile request runs — the largest accepted stop-string configuration against a long
+generation, a 15 MB prompt, 60 slowloris connections — `/health` answers in under 100 ms and an
+ordinary request's latency stays within 2x of its unloaded value (medians of a few repetitions).
+The router runs in its own process (`pipeserve up`, one live stage), so the test's client code does
+not share its interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from serving_support import UpProcess
+
+from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+pytestmark = pytest.mark.slow
+
+ORDINARY = {"prompt": "The lighthouse keeper", "max_tokens": 8, "temperature": 0}
+HEALTH_LIMIT_S = 0.1
+
+
+@pytest.fixture(scope="module")
+def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    server = UpProcess(
+        "--model", str(llama_dir), "--num-kv-blocks", "512", log_dir=tmp_path_factory.mktemp("up")
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+def ordinary_latency(client: httpx.Client, url: str, n: int = 7) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = client.post(url + "/v1/completions", json=ORDINARY, timeout=60)
+        times.append(time.perf_counter() - t0)
+        assert r.status_code == 200, r.text
+    return statistics.median(times)
+
+
+def health_times(url: str, n: int = 15, every_s: float = 0.1) -> list[float]:
+    times = []
+    with httpx.Client(timeout=10) as c:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = c.get(url + "/health")
+            times.append(time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+            time.sleep(every_s)
+    return times
+
+
+def under_load(up: UpProcess, hostile: Callable[[threading.Event], None], threads: int = 1) -> None:
+    """Run `hostile` in background threads (until the event is set) and check the others' service."""
+    with httpx.Client() as client:
+        ordinary_latency(client, up.url, 2)  # warm: connections, prefix cache
+        base = ordinary_latency(client, up.url)
+        stop = threading.Event()
+        workers = [threading.Thread(target=hostile, args=(stop,), daemon=True) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        try:
+            time.sleep(1.0)  # the hostile work is under way
+            health = health_times(up.url)
+            loaded = ordinary_latency(client, up.url)
+        finally:
+            stop.set()
+            for w in workers:
+                w.join(120)
+    print(
+        f"ordinary request: {base * 1e3:.0f} ms unloaded, {loaded * 1e3:.0f} ms loaded; "
+        f"/health max {max(health) * 1e3:.0f} ms, median {statistics.median(health) * 1e3:.0f} ms"
+    )
+    assert max(health) < HEALTH_LIMIT_S, health
+    assert loaded <= 2 * base, (loaded, base)
+
+
+def test_largest_accepted_stop_strings_against_a_long_generation(up: UpProcess) -> None:
+    # Stop strings that keep matching long prefixes of the output (so text is held all along) but
+    # never match whole: the worst case for a matcher that rescans.
+    text = httpx.post(
+        up.url + "/v1/completions",
+        json={**ORDINARY, "max_tokens": 400, "ignore_eos": True},
+        timeout=120,
+    ).json()["choices"][0]["text"]
+    each = MAX_STOP_CHARS // MAX_STOP_STRINGS
+    stops = [(text[k : k + each - 1] + "\u2603").rjust(each, "\u2603") for k in range(MAX_STOP_STRINGS)]
+    hostile = {**ORDINARY, "max_tokens": 400, "ignore_eos": True, "stop": stops}
+
+    def run(stop: threading.Event) -> None:
+        with httpx.Client(timeout=300) as c:
+            while not stop.is_set():
+                r = c.post(up.url + "/v1/completions", json=hostile)
+                assert r.status_code == 200, r.text
+
+    under_load(up, run)
+
+
+def test_a_15_mb_prompt(up: UpProcess) -> None:
+    # Encoded once: json.dumps of 15 MB in the hostile thread would hold this process's GIL and
+    # delay the /health probes the test measures.
+    body = json.dumps({"prompt": "lighthouse " * (15 * 2**20 // 11), "max_tokens": 1}).encode()
+
+    def run(stop: threading.Event) -> None:
+        with httpx.Client(timeout=300) as c:
+            while not stop.is_set():
+                r = c.post(up.url + "/v1/completions", content=body)
+                assert r.status_code == 400, r.text[:300]  # far beyond the context
+
+    under_load(up, run)
+
+
+def test_60_slowloris_connections(up: UpProcess) -> None:
+    host, port = up.url.removeprefix("http://").split(":")
+
+    def run(stop: threading.Event) -> None:
+        conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(60)]
+        try:
+            for s in conns:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            while not stop.wait(0.5):
+                for s in conns:
+                    try:
+                        s.sendall(b"X-slow: 1\r\n")
+                    except OSError:  # closed by the header deadline: the point
+                        pass
+        finally:
+            for s in conns:
+                s.close()
+
+    under_load(up, run)
