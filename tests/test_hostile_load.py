@@ -142,3 +142,14 @@ def test_60_slowloris_connections(up: UpProcess) -> None:
                 s.close()
 
     under_load(up, run)
+
+
+def test_a_batch_of_2500_prompts_is_refused_and_the_largest_admitted_batch_is_served(up: UpProcess) -> None:
+    """A batch opens one Generate call per prompt: admission counts prompts (max_concurrency, 256 by
+    default, below stage 0's queue bound), so no batch can overflow stage 0 into 5xx answers."""
+    r = httpx.post(up.url + "/v1/completions", json={"prompt": ["hi"] * 2500, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
+    body = {"prompt": [f"prompt {i}" for i in range(256)], "max_tokens": 2, "temperature": 0}
+    r = httpx.post(up.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text[:300]
+    assert [c["index"] for c in r.json()["choices"]] == list(range(256))

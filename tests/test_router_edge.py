@@ -7,22 +7,30 @@ own behaviour matters; the load tests (does one client slow the others?) are in 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import random
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from router_support import RouterHarness, ScriptedStage
 from serving_support import UpProcess, metric, wait_until
 
+from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS, TextStream, held_suffix
 from pipeserve.errors import InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.supervisor.group import GroupSlot
+from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
 
 def chars(ids: list[int]) -> str:
@@ -305,3 +313,37 @@ def test_pipeserve_up_guards_groups_and_openapi_with_the_api_key(
         assert r.status_code == 200, r.text
     finally:
         assert up.stop() == 0, up.log()[-3000:]
+
+
+def test_supervisor_keeps_restarting_groups_while_the_routers_loop_is_stalled(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """The supervisor runs on its own thread and loop: a stalled router loop does not stall it."""
+    config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=256, log_dir=str(tmp_path))
+    slot = GroupSlot("group-s", config, StageServeConfig())
+    downs: list[tuple[str, threading.Thread]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_down(name: str, reason: str) -> None:  # as `pipeserve up` wires it
+            loop.call_soon_threadsafe(lambda: downs.append((name, threading.current_thread())))
+
+        sup = Supervisor([slot], CollectorRegistry(), on_down=on_down, interval_s=0.2, backoff_s=0.2)
+        watcher = SupervisorThread(sup)
+        await asyncio.to_thread(watcher.start)
+        try:
+            await asyncio.to_thread(wait_until, sup.all_ready.is_set, 120, "group ready")
+            os.kill(slot.pids[0], signal.SIGKILL)
+            # Stall this loop (the router's, in `pipeserve up`) the way a CPU-heavy request would.
+            deadline = time.monotonic() + 60
+            while slot.restarts == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert slot.restarts == 1, slot.snapshot()
+            assert not downs  # the callback waits for this loop: it is thread-safe
+            await asyncio.sleep(0.1)
+            assert downs == [("group-s", threading.main_thread())]
+        finally:
+            await asyncio.to_thread(watcher.stop, 0.0, 60.0)
+
+    asyncio.run(main())
