@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeserve.detokenize import REPLACEMENT, IncrementalDetokenizer, TextStream, held_suffix
-from pipeserve.router.tokenizer import TokenizerAssets
+from pipeserve.tokenizer import TokenizerAssets
 
 MIXED = "Hello 🙂 world! 你好，世界 👍🏽 café — naïve ∑ ok"
 

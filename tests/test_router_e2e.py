@@ -18,8 +18,8 @@ from router_support import RouterHarness
 from serving_support import generate, greedy_request, metric, stub, wait_http, wait_until
 
 from pipeserve.config import EngineConfig, StageServeConfig
-from pipeserve.router.tokenizer import TokenizerAssets
 from pipeserve.supervisor.group import GroupSlot
+from pipeserve.tokenizer import TokenizerAssets
 
 pytestmark = pytest.mark.slow
 KEY = "e2e-key"

@@ -15,7 +15,7 @@ import pytest
 from router_support import RouterHarness, ScriptedStage
 from serving_support import metric, wait_until
 
-from pipeserve.router.tokenizer import TokenizerAssets
+from pipeserve.tokenizer import TokenizerAssets
 
 TEXT = "one two three four five six seven eight nine ten"
 

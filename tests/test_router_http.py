@@ -12,7 +12,7 @@ import pytest
 from router_support import RouterHarness, ScriptedStage
 from serving_support import wait_until
 
-from pipeserve.router.tokenizer import TokenizerAssets
+from pipeserve.tokenizer import TokenizerAssets
 
 TEXT = "Hello 🙂 world! 你好 The quick brown fox END tail"
 

@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pipeserve.router.tokenizer import TokenizerAssets
+from pipeserve.tokenizer import TokenizerAssets
 
 MIN_LOGPROB = -9999.0
 
