@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 from dataclasses import fields
-from pathlib import Path
 
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, GroupStopped, ModelLoadError
@@ -32,14 +31,6 @@ from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
 from pipeserve.stage.group import Rendezvous
 
 log = logging.getLogger("pipeserve.stage")
-
-
-def default_demo_model() -> Path:
-    home = Path(os.environ.get("PIPESERVE_HOME", Path.home() / ".cache" / "pipeserve"))
-    path = home / "demo-model"
-    if not (path / "model.safetensors").is_file():
-        write_demo_model(path, DemoSpec())
-    return path
 
 
 def _demo_model(args: argparse.Namespace) -> int:
