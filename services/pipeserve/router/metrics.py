@@ -47,7 +47,9 @@ class RouterMetrics:
             ["endpoint", "status"],
             registry=registry,
         )
-        self.in_flight = Gauge(P + "requests_in_flight", "Generation requests in flight", registry=registry)
+        self.in_flight = Gauge(
+            P + "requests_in_flight", "Prompts in flight (a batch counts each)", registry=registry
+        )
         self.ttft = Histogram(
             P + "time_to_first_token_seconds",
             "Request arrival to first token",
