@@ -6,15 +6,16 @@
   may be slow to notice, an Abort by request id follows in the background
   (`rpc_timeout_s` deadline).
 * Retry rule: a call that fails before its first message with UNAVAILABLE,
-  DEADLINE_EXCEEDED (our deadline included), RESOURCE_EXHAUSTED or a broken
-  connection is retried once, on another routable group — unless the request
-  saw its group die: stage 0 had admitted it (the call carries the ADMITTED_KEY
-  initial metadata) and the call then failed UNAVAILABLE. Such a request may be
-  what killed the group; carrying it to another group could kill that one too
-  (DESIGN §2.5), so it fails here. Other codes (INVALID_ARGUMENT,
-  ALREADY_EXISTS, INTERNAL: the request failed on a stage) are never retried.
-  Once a message has arrived nothing is retried: the caller turns the failure
-  into an error event or an HTTP error.
+  DEADLINE_EXCEEDED (our deadline included), RESOURCE_EXHAUSTED, CANCELLED (by
+  the server) or a broken connection is retried once, on another routable
+  group — unless the request saw its group die: stage 0 had admitted it (the
+  call carries the ADMITTED_KEY initial metadata) and the call then failed
+  UNAVAILABLE or CANCELLED. Such a request may be what killed the group;
+  carrying it to another group could kill that one too (DESIGN §2.5), so it
+  fails here. Other codes (INVALID_ARGUMENT, ALREADY_EXISTS, INTERNAL: the
+  request failed on a stage) are never retried. Once a message has arrived
+  nothing is retried: the caller turns the failure into an error event or an
+  HTTP error.
 * Only UNAVAILABLE takes a group out of routing: a client's error or one
   request's failure says nothing about the group's health.
 * gRPC cancellation aborts the request on stage 0 (its KV blocks are freed), so
@@ -22,8 +23,8 @@
   cancellation — is all a caller needs when it stops early (stop string, client
   gone).
 * Error mapping: INVALID_ARGUMENT ("param: message") and ALREADY_EXISTS -> 400
-  with that param; RESOURCE_EXHAUSTED -> 429; UNAVAILABLE / DEADLINE_EXCEEDED ->
-  503; INTERNAL (the request failed on a stage) and others -> 500.
+  with that param; RESOURCE_EXHAUSTED -> 429; UNAVAILABLE / DEADLINE_EXCEEDED /
+  CANCELLED -> 503; INTERNAL (the request failed on a stage) and others -> 500.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from pipeserve.rpc.metadata import ADMITTED_KEY
 log = logging.getLogger("pipeserve.router")
 
 Code = grpc.StatusCode
-RETRYABLE = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED})
+RETRYABLE = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED, Code.CANCELLED})
+# Codes by which a group says it is going away: with the request admitted, it saw its group die.
+GROUP_GONE = frozenset({Code.UNAVAILABLE, Code.CANCELLED})
 
 
 class UpstreamFailure(Exception):
@@ -60,7 +63,7 @@ class UpstreamFailure(Exception):
     @property
     def group_died(self) -> bool:
         """The request was inside the group when the group failed: never carry it to another."""
-        return self.admitted and self.code == Code.UNAVAILABLE
+        return self.admitted and self.code in GROUP_GONE
 
 
 def to_api_error(f: UpstreamFailure) -> APIError:
@@ -69,7 +72,7 @@ def to_api_error(f: UpstreamFailure) -> APIError:
         return errors.invalid(param if sep else None, message if sep else f.details)
     if f.code == Code.RESOURCE_EXHAUSTED:
         return errors.too_many_requests(f"every ready group is at capacity ({f.details})")
-    if f.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+    if f.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED):
         return errors.unavailable(f"upstream group {f.group} failed: {f.code.name}: {f.details}")
     return errors.internal(f"upstream group {f.group} failed: {f.code.name}: {f.details}")
 

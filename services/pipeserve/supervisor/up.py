@@ -40,7 +40,7 @@ from pipeserve.config import (
     add_config_args,
     config_from_args,
 )
-from pipeserve.errors import ConfigError
+from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.http_guard import RouterServer, server_config
 from pipeserve.stage.launcher import local_group_config
 from pipeserve.supervisor.group import GroupSlot
@@ -133,7 +133,7 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
         return JSONResponse([{**s.snapshot(), "router": routed.get(s.name)} for s in slots])
 
     server = _Server(
-        server_config(app, router, access_log=False, timeout_graceful_shutdown=int(serve.drain_timeout_s))
+        server_config(app, router, access_log=False, timeout_graceful_shutdown=serve.drain_timeout_s)
     )
     signals = 0
 
@@ -175,7 +175,7 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
     drain = 0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s
     # Bounded: the drain, then each slot's kill grace (stages run in parallel), then a margin.
     await asyncio.to_thread(watcher.stop, drain, drain + supervisor.kill_grace_s + 30.0)
-    return 2 if supervisor.fatal else 0
+    return ExitCode.CANNOT_START if supervisor.fatal else ExitCode.OK
 
 
 def run_up(args: argparse.Namespace) -> int:
