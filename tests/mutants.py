@@ -315,8 +315,8 @@ MUTANTS = [
     (
         "a batch takes one concurrency slot, whatever its prompts",
         "services/pipeserve/router/handlers.py",
-        "        slot = self.acquire_slot(len(req.prompts))",
-        "        slot = self.acquire_slot()",
+        "        slot = self.admission.acquire(len(req.prompts))",
+        "        slot = self.admission.acquire()",
         "tests/test_router_edge.py -k batch",
     ),
     # --- one sampling schema, tokenization like transformers ---

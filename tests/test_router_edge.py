@@ -192,7 +192,7 @@ def test_a_batch_takes_one_slot_per_prompt(router: RouterHarness, stage: Scripte
         r = httpx.post(router.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=30)
         assert r.status_code == 200, r.text
     stage.token_delay_s = 0.0
-    wait_until(lambda: router.call(lambda: router_of(router).in_flight) == 0, 10, "slots released")
+    wait_until(lambda: router.call(lambda: router_of(router).admission.in_flight) == 0, 10, "slots released")
     r = httpx.post(router.url + "/v1/completions", json={"prompt": ["a"] * 4, "max_tokens": 1}, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 4
 

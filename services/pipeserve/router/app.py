@@ -44,8 +44,9 @@ from starlette.requests import ClientDisconnect
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
+from pipeserve.router.edge import ClientGone
 from pipeserve.router.errors import APIError
-from pipeserve.router.handlers import ClientGone, Router
+from pipeserve.router.handlers import Router
 from pipeserve.router.http_guard import RouterServer, server_config
 from pipeserve.router.metrics import RequestMetrics
 from pipeserve.router.replicas import ReplicaSet

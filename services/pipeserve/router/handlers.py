@@ -1,8 +1,10 @@
-"""The router's request handling: auth, admission, tokenization, responses, health.
+"""The router's request handling: tokenization, generation, responses, health.
+
+The request edge (auth, body, admission slots, disconnects) is router/edge.py.
 
 Order of checks on a generation request (first failure answers):
   401 bad/missing API key -> 400 malformed body or invalid field -> 404 unknown
-  model -> 429 `max_concurrency` requests already in flight here -> 503 no
+  model -> 400/429 the prompts do not fit `max_concurrency` (edge.Admission) -> 503 no
   ready group -> 400 prompt empty / too long / out of vocabulary -> upstream.
 A request holds its concurrency slot until its response has ended: blocking
 ones until the body is built, streaming ones until the last SSE event or the
@@ -19,24 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
-from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
+from pipeserve.router.edge import (
+    Admission,
+    Slot,
+    SSEResponse,
+    check_auth,
+    read_json,
+    until_disconnect,
+)
 from pipeserve.router.errors import APIError
 from pipeserve.router.metrics import RouterMetrics
 from pipeserve.router.protocol import parse_chat, parse_completion
@@ -47,70 +53,9 @@ from pipeserve.router.upstream import Upstream
 from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
 from pipeserve.tokenizer import TokenizerAssets
 
-MAX_BODY_BYTES = 16 * 2**20  # far above any prompt the context can hold (and JSON token-id lists)
-BIG_BODY_BYTES = 2**20  # bodies above this are decoded off the event loop
 log = logging.getLogger("pipeserve.router")
 T = TypeVar("T")
 PROBE_TEXT = "Hello"
-
-
-def _decode_json(raw: bytearray) -> Any:
-    return json.loads(raw.decode("utf-8"))  # RFC 8259: a JSON body is UTF-8
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
-
-
-class SSEResponse(StreamingResponse):
-    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None]) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._cleanup()
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientGone (and `work` cancelled) if the client disconnects first."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone()
-    finally:
-        watch.cancel()
-        task.cancel()
-
-
-class Slot:
-    """`prompts` units of max_concurrency, held until released (once; release is idempotent)."""
-
-    def __init__(self, router: Router, prompts: int = 1) -> None:
-        self.router = router
-        self.prompts = prompts
-        self.handed_off = False  # a streaming response owns it now
-        self._held = True
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self.router.in_flight -= self.prompts
-            self.router.metrics.in_flight.set(self.router.in_flight)
 
 
 class Router:
@@ -123,76 +68,21 @@ class Router:
         self.tok_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="pipeserve-tokenize")
         self.metrics = RouterMetrics(registry)
         self.upstream = Upstream(replicas, config, self.metrics)
-        self.in_flight = 0
+        self.admission = Admission(config.max_concurrency, self.metrics.in_flight)
         self.created = int(time.time())
         self._probe_lock = asyncio.Lock()
         self._ending = asyncio.Event()  # shutdown: open streams end now (end_streams)
 
     # --- admission -----------------------------------------------------------
     def check_auth(self, request: Request) -> None:
-        if self.config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Compared as bytes: compare_digest refuses non-ASCII str, and a header is any latin-1 bytes.
-        sent = token.strip().encode("latin-1")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.config.api_key.encode()):
-            raise errors.unauthorized()
+        check_auth(request, self.config.api_key)
 
     async def read_json(self, request: Request) -> Any:
-        """The JSON body, read at most MAX_BODY_BYTES far (413) and within body_timeout_s (408).
-
-        A client that disconnects mid-body is ClientGone (499); JSON that Python refuses to decode
-        (an integer literal over its 4,300-digit limit, nesting too deep) is a 400 like any bad JSON.
-        """
-        raw = bytearray()
-        timeout = self.config.body_timeout_s
-        try:
-            async with asyncio.timeout(timeout):  # a body shorter than its Content-Length ends here
-                async for part in request.stream():
-                    raw += part
-                    if len(raw) > MAX_BODY_BYTES:
-                        raise errors.too_large(f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        except TimeoutError:
-            raise APIError(
-                408,
-                f"the request body did not arrive within {timeout}s",
-                code="request_timeout",
-                headers={"Connection": "close"},  # the rest of the body is never read
-            ) from None
-        except ClientDisconnect:
-            raise ClientGone(f"after {len(raw)} bytes of its body") from None
-        try:
-            if len(raw) <= BIG_BODY_BYTES:
-                return _decode_json(raw)
-            # A big body decodes in a worker thread: the C decoder holds the GIL, but in two short
-            # calls (UTF-8, then JSON; json.loads on bytes takes a slower path) the loop runs between.
-            return await asyncio.to_thread(_decode_json, raw)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError included
-            raise errors.invalid(None, f"the request body is not valid JSON: {str(e)[:200]}") from None
+        return await read_json(request, self.config.body_timeout_s)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
             raise errors.model_not_found(model)
-
-    def acquire_slot(self, prompts: int = 1) -> Slot:
-        """Slots for `prompts` upstream calls: a batch of N prompts opens N Generate calls and takes N.
-
-        A batch larger than max_concurrency could never be admitted: 400 (retrying cannot help, as
-        OpenAI answers a prompt list over its limit); one that does not fit now: 429.
-        """
-        limit = self.config.max_concurrency
-        if prompts > limit:
-            raise errors.invalid(
-                "prompt", f"a batch of {prompts} prompts exceeds this server's limit of {limit} per request"
-            )
-        if self.in_flight + prompts > limit:
-            raise errors.too_many_requests(
-                f"the router has {self.in_flight} prompts in flight and this request adds {prompts} "
-                f"(max_concurrency {limit})"
-            )
-        self.in_flight += prompts
-        self.metrics.in_flight.set(self.in_flight)
-        return Slot(self, prompts)
 
     def limits(self) -> tuple[int, int]:
         limits = self.replicas.limits()
@@ -206,7 +96,7 @@ class Router:
         self.check_auth(request)
         req = parse_completion(await self.read_json(request))
         self.check_model(req.model)
-        slot = self.acquire_slot(len(req.prompts))
+        slot = self.admission.acquire(len(req.prompts))
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -240,7 +130,7 @@ class Router:
         self.check_auth(request)
         req = parse_chat(await self.read_json(request))
         self.check_model(req.model)
-        slot = self.acquire_slot()
+        slot = self.admission.acquire()
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
