@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
+from pipeserve.router import openapi as openapi_doc
 from pipeserve.router.edge import ClientGone
 from pipeserve.router.errors import APIError
 from pipeserve.router.handlers import Router
@@ -71,11 +72,11 @@ def build_app(config: RouterConfig, replicas: ReplicaSet, registry: CollectorReg
     app.add_middleware(RequestMetrics, metrics=router.metrics)
     _install_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_doc.COMPLETIONS)
     async def completions(request: Request) -> Response:
         return await router.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_doc.CHAT)
     async def chat_completions(request: Request) -> Response:
         return await router.chat(request)
 

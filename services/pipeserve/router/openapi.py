@@ -1,0 +1,304 @@
+"""The OpenAPI description of the two generation endpoints' request and response bodies.
+
+app.py passes `COMPLETIONS` / `CHAT` as the routes' `openapi_extra`, so
+`GET /openapi.json` describes what router/protocol.py accepts. The parser is
+the authority; this module documents it and must never contradict it:
+* Anything valid by this schema passes protocol.py's checks. What only the
+  deployment knows (the served model names, the context length, the
+  vocabulary, max_concurrency for a batch of prompts) is said in the
+  descriptions, not in the schema: such a request may still be refused with a
+  400 (404 for an unknown model) naming the field.
+* The sampling fields are generated from `SamplingParams` (its annotations
+  and defaults), so a new sampling field appears here by itself; `_RANGES`
+  adds the bounds `SamplingParams.validate` enforces (tests/
+  test_openapi_schema.py checks each bound against the validator). A field
+  whose type has no entry in `_TYPES` fails at import, as in protocol.py.
+* JSON null means "not given" for every optional field, so each is nullable.
+* Fields the engine does not implement are described by the one value they
+  may take (n = 1, penalties 0, tools empty...): any other is a 400.
+* Responses: 200 as JSON, or as text/event-stream (`data: {chunk}` events
+  ending with `data: [DONE]`) when `stream` is true; errors in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, fields
+from typing import Any, get_type_hints
+
+from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from pipeserve.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
+
+_PER_ENDPOINT = ("max_tokens", "logprobs")  # as in protocol.py: each endpoint reads these its own way
+# A stop string's length bound that keeps any schema-valid list under the total cap.
+_STOP_ITEM_CHARS = MAX_STOP_CHARS // MAX_STOP_STRINGS
+
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": _STOP_ITEM_CHARS}
+_TYPES: dict[Any, dict] = {
+    int: {"type": "integer"},
+    int | None: {"type": "integer"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    list[str]: {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING}]},
+    list[int]: {"type": "array", "items": {"type": "integer"}},
+}
+_RANGES: dict[str, dict] = {
+    "max_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "description": "below 1e-5: greedy"},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": MAX_TOP_K, "description": "-1 or 0: off"},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "seed": {"minimum": 0, "maximum": MAX_SEED},
+    "logprobs": {"minimum": 0, "maximum": 20},
+    "stop": {
+        "description": f"at most {MAX_STOP_STRINGS} non-empty strings of {MAX_STOP_CHARS} characters in all",
+        "anyOf": [
+            {**_STOP_STRING, "maxLength": MAX_STOP_CHARS},
+            {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+        ],
+    },
+    "stop_token_ids": {
+        "items": {"type": "integer", "minimum": 0},
+        "description": "token ids in the model's vocabulary",
+    },
+}
+
+
+def nullable(schema: dict) -> dict:
+    """`schema` or JSON null (null means "not given")."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _only(value: Any, kind: str, what: str = "not supported") -> dict:
+    return nullable({"type": kind, "enum": [value], "description": f"{what}: only {value!r} is accepted"})
+
+
+def sampling_field(name: str) -> dict:
+    """The schema of one SamplingParams field: its JSON type, default and validated range."""
+    hint = get_type_hints(SamplingParams)[name]
+    spec = next(f for f in fields(SamplingParams) if f.name == name)
+    default = spec.default_factory() if spec.default is MISSING else spec.default  # type: ignore[misc]
+    schema = {**_TYPES[hint], **_RANGES.get(name, {})}
+    if "items" in schema and "items" in _TYPES[hint]:
+        schema["items"] = {**_TYPES[hint]["items"], **schema["items"]}
+    return {**nullable(schema), "default": default}
+
+
+def sampling_fields() -> dict[str, dict]:
+    return {f.name: sampling_field(f.name) for f in fields(SamplingParams) if f.name not in _PER_ENDPOINT}
+
+
+_TOKEN_IDS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0},
+    "description": "token ids in the model's vocabulary",
+}
+_COMMON = {
+    "model": nullable(
+        {"type": "string", "description": "a served model name (404 otherwise); default: the first"}
+    ),
+    "stream": nullable({"type": "boolean", "default": False}),
+    "stream_options": nullable(
+        {
+            "type": "object",
+            "properties": {"include_usage": nullable({"type": "boolean", "default": False})},
+            "description": "only with stream: true",
+        }
+    ),
+    "return_token_ids": nullable({"type": "boolean", "default": False}),
+    "user": nullable({"type": "string"}),
+    "n": _only(1, "integer"),
+    "frequency_penalty": _only(0, "number"),
+    "presence_penalty": _only(0, "number"),
+    "repetition_penalty": _only(1, "number"),
+    "logit_bias": nullable({"type": "object", "maxProperties": 0, "description": "not supported"}),
+}
+# stream_options is refused unless stream is true (protocol._stream_fields).
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+
+def _request(required: list[str], properties: dict, extra: dict | None = None) -> dict:
+    # Unknown fields are ignored by the parser; the schema lists only the fields it reads.
+    return {"type": "object", "required": required, "properties": properties, **(extra or {})}
+
+
+def completion_request() -> dict:
+    text = {"type": "string", "minLength": 1}
+    prompt = {
+        "description": "a string, a list of strings, token ids, or a list of token-id lists (a batch: "
+        "one choice per prompt, at most max_concurrency prompts); the prompt plus max_tokens must fit "
+        "the model's context",
+        "anyOf": [text, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": {"anyOf": [text, _TOKEN_IDS]}}],
+    }
+    props = {
+        "prompt": prompt,
+        **_COMMON,
+        **sampling_fields(),
+        "max_tokens": sampling_field("max_tokens") | {"default": 16},
+        "logprobs": sampling_field("logprobs"),
+        "add_special_tokens": nullable({"type": "boolean", "default": True}),
+        "echo": _only(False, "boolean"),
+        "best_of": _only(1, "integer"),
+        "suffix": _only("", "string"),
+        "response_format": {"type": "null", "description": "not supported on /v1/completions"},
+    }
+    return _request(["prompt"], props, _STREAM_OPTIONS_NEED_STREAM)
+
+
+def chat_request() -> dict:
+    part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"type": "string", "minLength": 1},
+            "content": nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
+            "name": {"type": "string"},
+        },
+        "description": "rendered by the model's chat template",
+    }
+    max_tokens = sampling_field("max_tokens") | {"default": None}
+    props = {
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        **_COMMON,
+        **sampling_fields(),
+        "max_tokens": max_tokens,
+        "max_completion_tokens": {**max_tokens, "description": "overrides max_tokens; default: the context"},
+        "logprobs": nullable({"type": "boolean", "default": False}),
+        "top_logprobs": nullable(
+            {"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs"}
+        ),
+        "add_special_tokens": nullable({"type": "boolean", "default": False}),
+        "response_format": nullable(
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"type": "string", "enum": ["text"]}},
+            }
+        ),
+        "tools": nullable({"type": "array", "maxItems": 0, "description": "tool calling is not supported"}),
+        "functions": nullable(
+            {"type": "array", "maxItems": 0, "description": "tool calling is not supported"}
+        ),
+        "tool_choice": _only("none", "string", "tool calling is not supported"),
+        "function_call": _only("none", "string", "tool calling is not supported"),
+    }
+    top_logprobs_need_logprobs = {
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    }
+    return _request(["messages"], props, {"allOf": [_STREAM_OPTIONS_NEED_STREAM, top_logprobs_need_logprobs]})
+
+
+# --- responses ------------------------------------------------------------------
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
+_ERRORS = {
+    "400": "invalid request (the field is named in `param`), including deployment limits: the context "
+    "length, the vocabulary, a batch over max_concurrency",
+    "401": "missing or wrong API key (when the server has one)",
+    "404": "unknown model",
+    "408": "the request's headers or body did not arrive in time",
+    "413": "request body too large",
+    "429": "too many requests in flight",
+    "503": "no pipeline group is ready",
+}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+
+
+def _response(obj: str, choice: dict) -> dict:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": [obj]},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": _USAGE,
+        },
+    }
+
+
+def _choice(body: dict) -> dict:
+    return {
+        "type": "object",
+        "required": ["index", *body, "finish_reason"],
+        "properties": {
+            "index": {"type": "integer"},
+            **body,
+            "logprobs": {"type": ["object", "null"]},
+            "finish_reason": {"type": ["string", "null"]},
+            "token_ids": {"type": "array", "items": {"type": "integer"}},
+            "prompt_token_ids": {"type": "array", "items": {"type": "integer"}},
+        },
+    }
+
+
+def _operation(summary: str, request: dict, response: dict) -> dict:
+    stream = "with stream: true, `data: {chunk}` server-sent events ending with `data: [DONE]`"
+    responses = {
+        "200": {
+            "description": f"the generation (JSON), or {stream}",
+            "content": {
+                "application/json": {"schema": response},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        }
+    }
+    for status, why in _ERRORS.items():
+        responses[status] = {"description": why, "content": {"application/json": {"schema": ERROR}}}
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": responses,
+    }
+
+
+COMPLETIONS = _operation(
+    "Create a completion",
+    completion_request(),
+    _response("text_completion", _choice({"text": {"type": "string"}})),
+)
+CHAT = _operation(
+    "Create a chat completion",
+    chat_request(),
+    _response(
+        "chat.completion",
+        _choice(
+            {
+                "message": {
+                    "type": "object",
+                    "required": ["role", "content"],
+                    "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+                }
+            }
+        ),
+    ),
+)
