@@ -108,6 +108,7 @@ class UpProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / "up.log"
+        self.ready_line = ""
         log_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         argv = [
@@ -138,7 +139,8 @@ class UpProcess:
             chunk = self.proc.stdout.readline()
             buf += chunk or ""
             if "serving" in buf and buf.endswith("\n"):
-                return buf.strip()
+                self.ready_line = buf.strip()
+                return self.ready_line
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
@@ -160,3 +162,30 @@ class UpProcess:
             return self.proc.wait(timeout=10)
         finally:
             self._log.close()
+
+
+@contextlib.contextmanager
+def running_up(*args: str, log_dir: Path, env: dict[str, str] | None = None) -> Iterator[UpProcess]:
+    """`pipeserve up ARGS` once every group is ready (`ready_line` holds its line); afterwards it is
+    stopped with SIGTERM and must exit 0."""
+    server = UpProcess(*args, log_dir=log_dir, env=env)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+
+
+@contextlib.contextmanager
+def live_slots(config: EngineConfig, names: tuple[str, ...] = ("g0", "g1")) -> Iterator[dict[str, GroupSlot]]:
+    """Groups started by the supervisor's own GroupSlot, each ready (stage 0's /readyz); killed afterwards."""
+    slots = {name: GroupSlot(name, config, StageServeConfig()) for name in names}
+    try:
+        for s in slots.values():
+            s.start()
+        for s in slots.values():
+            wait_http(s.health_url(0) + "/readyz", 120, alive=s.exited)
+        yield slots
+    finally:
+        for s in slots.values():
+            s.kill(grace_s=5.0)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from serving_support import UpProcess
+from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow
 NAME = "fuzz"
@@ -33,26 +33,11 @@ DEATH_TEMPERATURES = [1e-40, 1e-38, 1e-300, 5e-324, 3.4e38, 1e300, 1.79769313486
 
 @pytest.fixture(scope="module")
 def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    server = UpProcess(
-        "--model",
-        str(llama_dir),
-        "--served-model-name",
-        NAME,
-        "--stages",
-        "2",
-        "--replicas",
-        "2",
-        "--max-model-len",
-        "128",
-        "--num-kv-blocks",
-        "256",
-        log_dir=tmp_path_factory.mktemp("fuzz"),
-    )
-    try:
-        server.wait_ready()
+    args = ("--model", str(llama_dir), "--served-model-name", NAME, "--stages", "2", "--replicas", "2")
+    with running_up(
+        *args, "--max-model-len", "128", "--num-kv-blocks", "256", log_dir=tmp_path_factory.mktemp("fuzz")
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _pids(up: UpProcess) -> dict[str, dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from gguf_support import converted_smollm2
-from serving_support import UpProcess
+from serving_support import UpProcess, running_up
 
 from conftest import assert_matches_hf, hf_greedy
 from pipeserve import LLM, SamplingParams
@@ -69,12 +69,9 @@ def up(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpPr
     """`pipeserve up --stages 2` without --model: the default model, from this session's PIPESERVE_HOME."""
     args = ["--stages", "2", "--num-kv-blocks", "256", "--max-model-len", "2048"]
     env = {"PIPESERVE_HOME": str(smollm2.parent), "PIPESERVE_MODEL": ""}
-    server = UpProcess(*args, log_dir=tmp_path_factory.mktemp("up-smollm2"), env=env)
-    try:
-        assert server.wait_ready() == f"pipeserve: serving {DEFAULT_MODEL_NAME} at {server.url}/v1"
+    with running_up(*args, log_dir=tmp_path_factory.mktemp("up-smollm2"), env=env) as server:
+        assert server.ready_line == f"pipeserve: serving {DEFAULT_MODEL_NAME} at {server.url}/v1"
         yield server
-    finally:
-        assert server.stop() == 0, server.log()[-3000:]
 
 
 def test_openai_chat_answers_paris(up: UpProcess, smollm2: Path, hf_tok) -> None:

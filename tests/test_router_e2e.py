@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 from router_support import RouterHarness
-from serving_support import generate, greedy_request, metric, stub, wait_http, wait_until
+from serving_support import generate, greedy_request, live_slots, metric, stub, wait_until
 
-from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.config import EngineConfig
 from pipeserve.supervisor.group import GroupSlot
 from pipeserve.tokenizer import TokenizerAssets
 
@@ -30,16 +30,8 @@ PROMPT = "The lighthouse keeper"
 def slots(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, GroupSlot]]:
     log_dir = tmp_path_factory.mktemp("router-e2e")
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=128, log_dir=str(log_dir))
-    slots = {name: GroupSlot(name, config, StageServeConfig()) for name in ("g0", "g1")}
-    try:
-        for s in slots.values():
-            s.start()
-        for s in slots.values():
-            wait_http(s.health_url(0) + "/readyz", 120, alive=s.exited)
+    with live_slots(config) as slots:
         yield slots
-    finally:
-        for s in slots.values():
-            s.kill(grace_s=5.0)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 from router_support import RouterHarness
-from serving_support import metric, wait_http, wait_until
+from serving_support import live_slots, metric, wait_until
 
-from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.config import EngineConfig
 from pipeserve.supervisor.group import GroupSlot
 
 pytestmark = pytest.mark.slow
@@ -29,22 +29,16 @@ FAIL, CRASH = 777, 778
 @pytest.fixture
 def slots(llama_dir: Path, tmp_path: Path) -> Iterator[dict[str, GroupSlot]]:
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=128, log_dir=str(tmp_path))
-    slots = {name: GroupSlot(name, config, StageServeConfig()) for name in ("g0", "g1")}
     saved = os.environ.get("PIPESERVE_FAULTS")
     os.environ["PIPESERVE_FAULTS"] = json.dumps({"fail_token": FAIL, "crash_token": CRASH})
     try:
-        for s in slots.values():
-            s.start()
-        for s in slots.values():
-            wait_http(s.health_url(0) + "/readyz", 120, alive=s.exited)
-        yield slots
+        with live_slots(config) as slots:
+            yield slots
     finally:
         if saved is None:
             os.environ.pop("PIPESERVE_FAULTS", None)
         else:
             os.environ["PIPESERVE_FAULTS"] = saved
-        for s in slots.values():
-            s.kill(grace_s=5.0)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from router_support import RouterHarness, ScriptedStage
-from serving_support import UpProcess
+from serving_support import UpProcess, running_up
 from tokenizers import Tokenizer, models, normalizers
 from transformers import AutoTokenizer
 
@@ -197,14 +197,9 @@ def test_a_15mb_prompt_is_refused_without_stalling_the_router(bare_router: Route
 
 @pytest.fixture(scope="module")
 def bos_up(bos_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    server = UpProcess(
-        "--model", str(bos_dir), "--num-kv-blocks", "256", log_dir=tmp_path_factory.mktemp("up")
-    )
-    try:
-        server.wait_ready()
+    args = ("--model", str(bos_dir), "--num-kv-blocks", "256")
+    with running_up(*args, log_dir=tmp_path_factory.mktemp("up")) as server:
         yield server
-    finally:
-        assert server.stop() == 0, server.log()[-3000:]
 
 
 def test_live_prompt_ids_and_greedy_output_equal_transformers(bos_up: UpProcess, bos_dir: Path) -> None:

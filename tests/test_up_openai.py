@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving_support import UpProcess
+from serving_support import UpProcess, running_up
 from transformers import AutoTokenizer
 
 from conftest import hf_greedy, random_prompts
@@ -21,14 +21,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    log_dir = tmp_path_factory.mktemp("up")
-    server = UpProcess("--model", str(llama_dir), "--stages", "2", "--num-kv-blocks", "1024", log_dir=log_dir)
-    try:
-        line = server.wait_ready()
-        assert line == f"pipeserve: serving {llama_dir} at {server.url}/v1"
+    args = ("--model", str(llama_dir), "--stages", "2", "--num-kv-blocks", "1024")
+    with running_up(*args, log_dir=tmp_path_factory.mktemp("up")) as server:
+        assert server.ready_line == f"pipeserve: serving {llama_dir} at {server.url}/v1"
         yield server
-    finally:
-        assert server.stop() == 0, server.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
