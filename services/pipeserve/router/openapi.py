@@ -261,6 +261,10 @@ def _choice(body: dict) -> dict:
     }
 
 
+# One server-sent event: `data` is a JSON chunk (or an error object), the last one `[DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+
+
 def _operation(summary: str, request: dict, response: dict) -> dict:
     stream = "with stream: true, `data: {chunk}` server-sent events ending with `data: [DONE]`"
     responses = {
@@ -268,7 +272,7 @@ def _operation(summary: str, request: dict, response: dict) -> dict:
             "description": f"the generation (JSON), or {stream}",
             "content": {
                 "application/json": {"schema": response},
-                "text/event-stream": {"schema": {"type": "string"}},
+                "text/event-stream": {"schema": _SSE_EVENT},
             },
         }
     }
