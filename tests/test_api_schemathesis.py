@@ -34,7 +34,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from serving_support import UpProcess
+from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow
 NAME = "schemathesis"
@@ -62,17 +62,13 @@ STATE: dict[str, dict] = {}
 
 @pytest.fixture(scope="module")
 def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    server = UpProcess(
+    with running_up(
         *("--model", str(llama_dir), "--served-model-name", NAME, "--stages", "2", "--replicas", "2"),
         *("--max-model-len", "128", "--num-kv-blocks", "256"),
         log_dir=tmp_path_factory.mktemp("schemathesis"),
-    )
-    try:
-        server.wait_ready()
+    ) as server:
         STATE["pids"] = _pids(server)
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
