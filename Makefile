@@ -57,8 +57,10 @@ proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I services --python_out=services --pyi_out=services \
 		--grpc_python_out=services services/pipeserve/rpc/generation.proto
 
-# The API fuzz (tests/test_api_fuzz.py) for longer than CI runs it: 0 responses >= 500, 0 stage
-# exits, 0 group restarts against pipeserve up --stages 2 --replicas 2.
+# The API fuzz (hypothesis: tests/test_api_fuzz.py; schemathesis from /openapi.json:
+# tests/test_api_schemathesis.py) for longer than CI runs it: 0 responses >= 500, 0 stage exits,
+# 0 group restarts against pipeserve up --stages 2 --replicas 2.
 FUZZ_EXAMPLES ?= 2000
 fuzz: $(STAMP)
-	PIPESERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/test_api_fuzz.py
+	PIPESERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PIPESERVE_SCHEMATHESIS_EXAMPLES=$(FUZZ_EXAMPLES) \
+		$(PY) -m pytest -q -s tests/test_api_fuzz.py tests/test_api_schemathesis.py

@@ -149,6 +149,22 @@ class UpProcess:
     def groups(self) -> list[dict]:
         return httpx.get(self.url + "/groups", timeout=5).json()
 
+    def pids(self) -> dict[str, dict]:
+        """Every group's stage pids, by group name."""
+        return {g["name"]: g["pids"] for g in self.groups()}
+
+    def assert_unharmed(self, pids: dict[str, dict], model: str) -> None:
+        """No group restarted, no stage process replaced since `pids`, and a normal request answered."""
+        groups = self.groups()
+        assert [g["restarts"] for g in groups] == [0] * len(groups), groups
+        assert {g["name"]: g["pids"] for g in groups} == pids, "a stage process was replaced"
+        r = httpx.post(
+            self.url + "/v1/completions",
+            json={"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

@@ -40,22 +40,6 @@ def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up
         yield server
 
 
-def _pids(up: UpProcess) -> dict[str, dict]:
-    return {g["name"]: g["pids"] for g in up.groups()}
-
-
-def _assert_healthy(up: UpProcess, pids: dict[str, dict]) -> None:
-    groups = up.groups()
-    assert [g["restarts"] for g in groups] == [0] * len(groups), groups
-    assert {g["name"]: g["pids"] for g in groups} == pids, "a stage process was replaced"
-    r = httpx.post(
-        up.url + "/v1/completions",
-        json={"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0},
-        timeout=60,
-    )
-    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
-
-
 def _send(up: UpProcess, path: str, body: object) -> tuple[int, str]:
     """POST the body as JSON text (NaN/Infinity literals and lone surrogates included, escaped as
     JSON allows); a streamed 200 must end with [DONE]."""
@@ -70,7 +54,7 @@ def _send(up: UpProcess, path: str, body: object) -> tuple[int, str]:
 
 
 def test_requests_of_death_are_served(up: UpProcess) -> None:
-    pids = _pids(up)
+    pids = up.pids()
     for t in DEATH_TEMPERATURES:
         for path, body in (
             ("/v1/completions", {"prompt": "Hi there", "max_tokens": 4}),
@@ -78,7 +62,7 @@ def test_requests_of_death_are_served(up: UpProcess) -> None:
         ):
             status, text = _send(up, path, {**body, "model": NAME, "temperature": t, "top_p": 1e-9})
             assert status == 200, (t, text)
-    _assert_healthy(up, pids)
+    up.assert_unharmed(pids, NAME)
 
 
 # --- strategies --------------------------------------------------------------
@@ -209,7 +193,7 @@ REQUEST = (
 
 
 def test_fuzz_both_endpoints_no_5xx_no_exits_no_restarts(up: UpProcess) -> None:
-    pids = _pids(up)
+    pids = up.pids()
     seen: dict[int, int] = {}
 
     @seed(20261203)
@@ -229,4 +213,4 @@ def test_fuzz_both_endpoints_no_5xx_no_exits_no_restarts(up: UpProcess) -> None:
     one()
     print("statuses:", dict(sorted(seen.items())))
     assert seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if 400 <= k < 500) > 0, seen
-    _assert_healthy(up, pids)
+    up.assert_unharmed(pids, NAME)

@@ -100,6 +100,15 @@ def test_completion_prompt_shapes() -> None:
     assert parse_completion({"prompt": ["a", "b"]}).prompts == ["a", "b"]
     assert parse_completion({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
     assert parse_completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+    # An integral float is an integer, as pydantic's lax mode (vLLM) and JSON Schema take it.
+    assert parse_completion({"prompt": [1.0, 2]}).prompts == [[1, 2]]
+    req = parse_completion({"prompt": [[1.0], "a"], "max_tokens": 4.0, "seed": 7.0, "top_k": 3.0})
+    assert req.prompts == [[1], "a"] and (req.params.max_tokens, req.params.seed, req.params.top_k) == (
+        4,
+        7,
+        3,
+    )
+    assert all(type(v) is int for v in (*req.prompts[0], req.params.max_tokens, req.params.seed))
 
 
 def test_completion_sampling_to_proto() -> None:

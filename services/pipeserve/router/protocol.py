@@ -11,8 +11,10 @@ field the client sent). Rules:
   the router and stage 0 run the same checks. Only `max_tokens` (chat's
   `max_completion_tokens`, default "up to the context") and `logprobs` (chat's
   `logprobs` + `top_logprobs`) differ per endpoint and are read here.
-* Types are strict: an integer field takes a JSON integer (not a bool, not a
-  string), a number field a finite int/float (an integer too large for a
+* Types are strict: an integer field (token ids included) takes a JSON integer
+  or a float with an integral value (4.0, as pydantic's lax mode and so
+  vLLM; JSON Schema's `integer` admits it too), not 1.5, a bool or a string;
+  a number field a finite int/float (an integer too large for a
   float is refused, not an overflow), a bool field true/false.
 * Text (prompt, message role/content/name, model, stop strings) must be
   valid Unicode: a lone surrogate ("\\ud800" in JSON) cannot be tokenized or
@@ -61,13 +63,26 @@ def check_text(value: str, param: str) -> str:
     return value
 
 
+def _as_int(v: Any) -> int | None:
+    """A JSON integer, or a float with an integral value (4.0), as pydantic's lax mode (and so vLLM)
+    takes it; None for anything else (1.5, true, "4", NaN, inf)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
 def _int(body: dict, key: str, default: Any) -> Any:
     v = _get(body, key)
     if v is _MISSING:
         return default
-    if not isinstance(v, int) or isinstance(v, bool):
+    n = _as_int(v)
+    if n is None:
         raise errors.invalid(key, f"must be an integer, got {_short(v)}")
-    return v
+    return n
 
 
 def _number(body: dict, key: str, default: Any) -> Any:
@@ -108,9 +123,10 @@ def _ints(body: dict, key: str, default: Any) -> Any:
     v = _get(body, key)
     if v is _MISSING:
         return default
-    if not _token_list(v):
+    ids = _token_list(v)
+    if ids is None:
         raise errors.invalid(key, "must be a list of integers")
-    return v
+    return ids
 
 
 def _short(v: Any) -> str:
@@ -118,8 +134,12 @@ def _short(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _token_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+def _token_list(v: Any) -> list[int] | None:
+    """`v` as a list of integers (see _as_int), or None when it is not one."""
+    if not isinstance(v, list):
+        return None
+    ids = [_as_int(t) for t in v]
+    return None if None in ids else ids  # type: ignore[return-value]
 
 
 # How each SamplingParams annotation is read from JSON. A field whose type is not here
@@ -215,16 +235,25 @@ def _object(body: Any) -> dict:
     return body
 
 
+def _prompts(prompt: Any) -> list[str | list[int]] | None:
+    """A completion's `prompt` as a list of prompts (text or token ids), or None if it has no such shape."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if (ids := _token_list(prompt)) is not None:
+        return [ids]
+    prompts = [p if isinstance(p, str) else _token_list(p) for p in prompt]
+    return None if None in prompts else prompts  # type: ignore[return-value]
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
     prompt = _get(body, "prompt")
     if prompt is _MISSING:
         raise errors.invalid("prompt", "is required")
-    if isinstance(prompt, str) or (_token_list(prompt) and prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_list(p) for p in prompt):
-        prompts = list(prompt)
-    else:
+    prompts = _prompts(prompt)
+    if prompts is None:
         raise errors.invalid(
             "prompt", "must be a string, a list of strings, a list of token ids or a list of token-id lists"
         )
