@@ -3,14 +3,21 @@
     .venv/bin/python tests/mutants.py          # all mutants
     .venv/bin/python tests/mutants.py 0 3      # by index
 
-Each mutant replaces one snippet of the engine, runs the tests that guard that
-rule, and restores the file. A mutant reported GREEN is a hole in the tests.
-Exit status is the number of GREEN mutants.
+Each mutant replaces one snippet of the code in a temporary copy of the tree
+(the files git tracks, and the untracked ones it does not ignore) and runs the
+tests that guard that rule there: the checkout is never written, so a run
+killed midway leaves nothing behind. The copy is imported through PYTHONPATH
+(which every stage process the tests start inherits), ahead of the venv's
+editable install. A mutant reported GREEN is a hole in the tests. Exit status
+is the number of GREEN mutants.
 """
 
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 MUTANTS = [
     (
@@ -392,23 +399,53 @@ MUTANTS = [
         "tests/test_gguf.py -k refuses",
     ),
 ]
-only = sys.argv[1:]
-green = 0
-for name, path, old, new, tests in [MUTANTS[int(i)] for i in only] if only else MUTANTS:
-    p = pathlib.Path(path)
-    src = p.read_text()
-    assert old in src, name
-    p.write_text(src.replace(old, new, 1))
-    try:
-        r = subprocess.run(
-            f".venv/bin/python -m pytest -q -x -p no:cacheprovider {tests}",
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PYTHON = ROOT / ".venv" / "bin" / "python"
+# Import name -> its folder in the tree (pyproject.toml's package-dir).
+PACKAGES = {"pipeserve": "services/pipeserve", "pipeserve_kernels": "kernels"}
+
+
+def copy_tree(dest: pathlib.Path) -> None:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for rel in filter(None, (f.decode() for f in listed)):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_mutant(path: str, old: str, new: str, tests: str) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="pipeserve-mutant-") as tmp:
+        tree, imports = pathlib.Path(tmp) / "tree", pathlib.Path(tmp) / "imports"
+        copy_tree(tree)
+        imports.mkdir()
+        for name, folder in PACKAGES.items():
+            (imports / name).symlink_to(tree / folder)
+        target = tree / path
+        src = target.read_text()
+        assert old in src, (path, old)
+        target.write_text(src.replace(old, new, 1))
+        return subprocess.run(
+            f"{PYTHON} -m pytest -q -x -p no:cacheprovider {tests}",
             shell=True,
+            cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(imports)},
             capture_output=True,
             text=True,
         )
-        last = r.stdout.strip().splitlines()[-1]
+
+
+if __name__ == "__main__":
+    only = sys.argv[1:]
+    green = 0
+    for name, path, old, new, tests in [MUTANTS[int(i)] for i in only] if only else MUTANTS:
+        r = run_mutant(path, old, new, tests)
+        last = (r.stdout.strip().splitlines() or [r.stderr.strip()[-300:]])[-1]
         print(f"{'RED  ' if r.returncode else 'GREEN'} {name}: {last}", flush=True)
         green += r.returncode == 0
-    finally:
-        p.write_text(src)
-sys.exit(green)
+    sys.exit(green)
