@@ -100,7 +100,6 @@ class StepOutput(msgspec.Struct, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
-_output_decoder = msgspec.msgpack.Decoder(StepOutput)
 
 
 def plan_digest(plan: StepPlan) -> int:
@@ -118,11 +117,3 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 def decode_plan(data: bytes) -> StepPlan:
     return _plan_decoder.decode(data)
-
-
-def encode_output(out: StepOutput) -> bytes:
-    return _encoder.encode(out)
-
-
-def decode_output(data: bytes) -> StepOutput:
-    return _output_decoder.decode(data)

@@ -145,7 +145,3 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-
-    def fingerprint_fields(self) -> dict:
-        """What identifies the computation (for cache keys and start-up agreement)."""
-        return {**self.raw, "_dtype": str(self.dtype)}
