@@ -398,6 +398,21 @@ MUTANTS = [
         "        raise",
         "tests/test_gguf.py -k refuses",
     ),
+    # --- structure --------------------------------------------------------------------------
+    (
+        "the engine builds its own ring executor (engine imports stage/)",
+        "services/pipeserve/engine/engine.py",
+        "from pipeserve.engine.executor import Executor\n",
+        "from pipeserve.engine.executor import Executor\nfrom pipeserve.stage import leader\n",
+        "tests/test_import_graph.py",
+    ),
+    (
+        "supervisor/up.py imports cli back (an import cycle)",
+        "services/pipeserve/supervisor/up.py",
+        "from pipeserve.config import (",
+        "from pipeserve.cli import main\nfrom pipeserve.config import (",
+        "tests/test_import_graph.py -k 'cycle_between_modules'",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

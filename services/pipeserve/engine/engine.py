@@ -3,7 +3,9 @@
 `step()` sends every plan the ring can take (up to max_inflight; one with a
 single stage), then waits for the oldest plan's result and applies it,
 returning the requests that finished. The executor is the in-process
-ModelRunner for one stage, or the ring of stage processes (stage/leader.py).
+ModelRunner for one stage, or the ring of stage processes (stage/leader.py);
+either is built outside the engine and handed in (stage/factory.py
+`build_engine`), so the engine imports nothing from stage/.
 """
 
 from __future__ import annotations
@@ -15,36 +17,34 @@ from collections import deque
 
 from pipeserve.config import EngineConfig
 from pipeserve.engine.block_manager import BlockManager
-from pipeserve.engine.executor import LocalExecutor
+from pipeserve.engine.executor import Executor
+from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import ResultMismatch, Scheduler
-from pipeserve.errors import ConfigError, GroupStopped, InvalidRequestError
+from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.model.config import ModelConfig
 from pipeserve.sampling_params import SamplingParams, check_prompt
-from pipeserve.stage.group import Rendezvous
-from pipeserve.stage.leader import PipelineExecutor
-from pipeserve.stage.worker import build_stage
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, rendezvous: Rendezvous | None = None) -> None:
-        if config.stages > 1 and rendezvous is None:
-            raise ConfigError("stages: a group of several stages needs a rendezvous (LLM starts one)")
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        runner: ModelRunner,
+        executor: Executor,
+    ) -> None:
+        """`runner` is stage 0's own (its busy meter); `executor` gets plans executed (ring formed)."""
         self.config = config
-        stage = build_stage(config, rendezvous)
-        self.model_config = stage.model_config
-        self.max_model_len = stage.max_model_len
-        self.runner = stage.runner
-        self.executor: LocalExecutor | PipelineExecutor
-        if stage.link is None:
-            self.executor = LocalExecutor(stage.runner)
-        else:
-            self.executor = PipelineExecutor(stage)
-            self.executor.form_ring()
-        blocks = stage.num_blocks
-        self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.runner = runner
+        self.executor = executor
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,

@@ -13,16 +13,32 @@ Contract (both implementations):
 
 LocalExecutor runs the whole model in-process (one stage, one plan at a
 time); stage/leader.py's PipelineExecutor drives a ring of stage processes.
+The engine knows only this Protocol: stage/factory.py builds the executor
+and hands it in, so engine/ imports nothing from stage/.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Protocol
 
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StepOutput, StepPlan
 from pipeserve.errors import GroupStopped
+
+
+class Executor(Protocol):
+    max_inflight: int
+    lock: threading.RLock
+
+    def can_submit(self) -> bool: ...
+    def submit(self, plan: StepPlan) -> None: ...
+    def collect(self) -> StepOutput: ...
+    @property
+    def num_inflight(self) -> int: ...
+    def stop_group(self, reason: str) -> None: ...
+    def close(self) -> None: ...
 
 
 class LocalExecutor:

@@ -35,6 +35,7 @@ from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
 from pipeserve.sampling_params import SamplingParams, resolve_max_tokens
+from pipeserve.stage.factory import build_engine
 from pipeserve.stage.launcher import LocalGroup, local_group_config
 from pipeserve.stage.worker import layer_split
 from pipeserve.tokenizer import TokenizerAssets
@@ -50,7 +51,7 @@ class LLM:
         config = EngineConfig(model=model, stages=stages, **engine_args)
         self.group: LocalGroup | None = None
         if stages == 1:
-            self.engine = LLMEngine(config)
+            self.engine = build_engine(config)
         else:
             config = local_group_config(config)
             # A split that cannot work fails here, before any process is started.
@@ -58,7 +59,7 @@ class LLM:
             self.group = LocalGroup(config)
             self.group.start()
             try:
-                self.engine = LLMEngine(config, self.group.rendezvous(0))
+                self.engine = build_engine(config, self.group.rendezvous(0))
             except BaseException:
                 self.group.stop(grace_s=2.0)
                 raise

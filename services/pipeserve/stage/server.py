@@ -41,7 +41,6 @@ import time
 import grpc
 
 from pipeserve.config import EngineConfig, StageServeConfig
-from pipeserve.engine.engine import LLMEngine
 from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
@@ -56,6 +55,7 @@ from pipeserve.stage.engine_loop import (
     Overloaded,
     Phase,
 )
+from pipeserve.stage.factory import build_engine
 from pipeserve.stage.group import Rendezvous
 from pipeserve.stage.health import Metric, StageStatus
 from pipeserve.stage.wedge import WedgeDetector
@@ -219,7 +219,7 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
 def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous, status: StageStatus) -> int:
     """Build the engine (the group forms), serve until SIGTERM or a group stop; the exit status."""
     status.phase = "joining"
-    engine = LLMEngine(config, rdzv)
+    engine = build_engine(config, rdzv)
     loop = EngineLoop(engine, serve.max_waiting)
     detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)
     status.detector = detector

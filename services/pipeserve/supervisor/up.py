@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 from collections.abc import Iterator
 
 from fastapi import Request
@@ -181,9 +180,3 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
 def run_up(args: argparse.Namespace) -> int:
     engine, serve, router = build_configs(args)
     return asyncio.run(serve_up(engine, serve, router, args.replicas))
-
-
-if __name__ == "__main__":
-    from pipeserve.cli import main
-
-    sys.exit(main(["up", *sys.argv[1:]]))
