@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import fields
+from typing import NoReturn
 
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, GroupStopped, ModelLoadError
@@ -111,7 +112,7 @@ def _watch_parent(pid: int, rank: int) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-def _stage(args: argparse.Namespace) -> int:
+def _stage(args: argparse.Namespace) -> NoReturn:
     from pipeserve.stage.launcher import PARENT_ENV
 
     missing = [n for n in ("model", "rank", "world_size") if getattr(args, n) is None]
@@ -139,7 +140,7 @@ def _stage(args: argparse.Namespace) -> int:
     _exit_now(code)
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     # Skip interpreter teardown: destroying a process group whose receiver thread is
     # blocked in a native wait aborts the process, turning a clean status into SIGABRT.
     logging.shutdown()

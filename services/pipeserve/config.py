@@ -93,7 +93,8 @@ class EngineConfig:
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         need(self.stages >= 1, "stages", "must be >= 1")
         if self.layer_split is not None:
-            need(len(self.split_ranges()) == self.stages, "layer_split", f"needs {self.stages} ranges")
+            ranges = parse_layer_split(self.layer_split)
+            need(len(ranges) == self.stages, "layer_split", f"needs {self.stages} ranges")
         need(self.max_inflight is None or self.max_inflight >= 1, "max_inflight", "must be >= 1")
         need(self.ring_timeout_s > 0, "ring_timeout_s", "must be > 0")
         need(
@@ -142,7 +143,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] =
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, skip: set[str] = _NOT_FLAGS, **fixed) -> T:
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}  # type: ignore[arg-type]
     return cls(**values, **fixed)
 
 

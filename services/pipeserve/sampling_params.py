@@ -27,7 +27,7 @@ vocabulary, no room left in the context), called by the router and by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field
 from typing import Any
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -97,6 +97,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def default_of(f: Field) -> Any:
+    """A dataclass field's default value (calling its default_factory)."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    raise TypeError(f"{f.name} has no default")
 
 
 def _is_int(v: Any) -> bool:

@@ -195,7 +195,7 @@ def _shrink_factor(normalizer: dict | None) -> int | None:
         content = normalizer.get("content", "")
         ok = isinstance(pattern, str) and len(content.encode()) >= len(pattern.encode()) > 0
         return 1 if ok else None
-    return _SHRINK.get(kind)
+    return _SHRINK.get(kind) if isinstance(kind, str) else None
 
 
 def _byte_level(pre: dict | None) -> bool:

@@ -37,7 +37,7 @@ def stats_ms(values_s: list[float]) -> dict[str, float | None]:
     if not values_s:
         return dict.fromkeys(keys)
     a = np.asarray(values_s, dtype=np.float64) * 1000.0
-    out = {"mean": float(a.mean())}
+    out: dict[str, float | None] = {"mean": float(a.mean())}
     out.update({f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES})
     return out
 

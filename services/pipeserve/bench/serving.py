@@ -163,7 +163,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.router_overhead and not args.grpc:
         raise ValueError("--router-overhead needs --grpc HOST:PORT (stage 0's Generation service)")
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    summary = over = None
+    summary: dict | None = None
+    over: dict | None = None
     try:
         if args.router_overhead:
             model = _model_name(args)
@@ -203,5 +204,8 @@ def run_bench(args: argparse.Namespace) -> int:
         section = metrics.markdown_section(title, meta, _args_line(args), summary, over)
         with open(args.results_md, "a", encoding="utf-8") as f:
             f.write("\n" + section)
-    ok = (over["router"]["ok"] and over["direct"]["ok"]) if over is not None else summary["completed"]
+    if over is not None:
+        ok = over["router"]["ok"] and over["direct"]["ok"]
+    else:
+        ok = summary is not None and summary["completed"]
     return 0 if ok else 1

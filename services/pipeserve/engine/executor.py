@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StepOutput, StepPlan
@@ -37,7 +37,7 @@ class Executor(Protocol):
     def collect(self) -> StepOutput: ...
     @property
     def num_inflight(self) -> int: ...
-    def stop_group(self, reason: str) -> None: ...
+    def stop_group(self, reason: str) -> NoReturn: ...
     def close(self) -> None: ...
 
 
@@ -62,7 +62,7 @@ class LocalExecutor:
     def num_inflight(self) -> int:
         return len(self._done)
 
-    def stop_group(self, reason: str) -> None:
+    def stop_group(self, reason: str) -> NoReturn:
         raise GroupStopped(reason)
 
     def close(self) -> None:

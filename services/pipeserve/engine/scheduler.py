@@ -245,7 +245,9 @@ class Scheduler:
         p = req.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        # max_tokens is resolved before a request enters (LLMEngine.validate refuses None).
+        out_of_room = req.num_tokens >= self.max_model_len
+        if out_of_room or (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens):
             return FinishReason.LENGTH
         return None
 

@@ -25,7 +25,7 @@ import dataclasses
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 from pipeserve.config import EngineConfig
 from pipeserve.detokenize import TextStream
@@ -103,11 +103,7 @@ class LLM:
 
         Invalid input raises InvalidRequestError before anything is queued.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -183,6 +179,15 @@ class _Output:
         if not self.feed():
             self.text.finish()
         return self.text.text
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or a list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 def _shutdown(engine: LLMEngine, group: LocalGroup | None) -> None:

@@ -158,13 +158,20 @@ def _config(spec: DemoSpec, vocab: int, eos_ids: list[int], bos_id: int | None) 
     return cfg
 
 
+def _token_id(tok: Tokenizer, token: str) -> int:
+    tid = tok.token_to_id(token)
+    if tid is None:
+        raise ValueError(f"the demo tokenizer has no {token!r}")
+    return tid
+
+
 def write_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> Path:
     """Write the checkpoint for `spec` into `out_dir` (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(spec.vocab, spec.bos)
     vocab = tok.get_vocab_size()  # the corpus may yield fewer merges than asked
-    eos_ids = [tok.token_to_id(EOS_TOKEN), tok.token_to_id(IM_END)]
+    eos_ids = [_token_id(tok, EOS_TOKEN), _token_id(tok, IM_END)]
     bos_id = tok.token_to_id(BOS_TOKEN) if spec.bos else None
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {

@@ -72,6 +72,9 @@ class RMSNorm(nn.Module):
 class RotaryTable(nn.Module):
     """cos/sin for every position up to max_len, float32 math as in transformers."""
 
+    cos: torch.Tensor  # [max_len, head_dim] (buffers)
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         # Computed on the CPU even inside a meta-device context (the loader builds the

@@ -22,11 +22,11 @@ the authority; this module documents it and must never contradict it:
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from typing import Any, get_type_hints
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from pipeserve.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams
+from pipeserve.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, default_of
 
 _PER_ENDPOINT = ("max_tokens", "logprobs")  # as in protocol.py: each endpoint reads these its own way
 # A stop string's length bound that keeps any schema-valid list under the total cap.
@@ -76,7 +76,7 @@ def sampling_field(name: str) -> dict:
     """The schema of one SamplingParams field: its JSON type, default and validated range."""
     hint = get_type_hints(SamplingParams)[name]
     spec = next(f for f in fields(SamplingParams) if f.name == name)
-    default = spec.default_factory() if spec.default is MISSING else spec.default  # type: ignore[misc]
+    default = default_of(spec)
     schema = {**_TYPES[hint], **_RANGES.get(name, {})}
     if "items" in schema and "items" in _TYPES[hint]:
         schema["items"] = {**_TYPES[hint]["items"], **schema["items"]}

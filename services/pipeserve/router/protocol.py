@@ -35,12 +35,12 @@ field the client sent). Rules:
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
-from pipeserve.sampling_params import SamplingParams
+from pipeserve.sampling_params import SamplingParams, default_of
 
 _MISSING = object()
 _PER_ENDPOINT = ("max_tokens", "logprobs")  # read by each parser, not by their annotation
@@ -154,7 +154,7 @@ _READERS = {
 }
 _HINTS = get_type_hints(SamplingParams)
 _SAMPLING_FIELDS = [
-    (f.name, _READERS[_HINTS[f.name]], f.default_factory() if f.default is MISSING else f.default)  # type: ignore[misc]
+    (f.name, _READERS[_HINTS[f.name]], default_of(f))
     for f in fields(SamplingParams)
     if f.name not in _PER_ENDPOINT
 ]

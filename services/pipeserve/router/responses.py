@@ -18,6 +18,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeserve.tokenizer import TokenizerAssets
 
@@ -145,12 +146,12 @@ class Formatter:
         finish_reason: str | None,
         token_ids: list[int] | None = None,
     ) -> dict:
-        ids = {"token_ids": token_ids or []} if self.return_token_ids else {}
+        ids: dict[str, list[int]] = {"token_ids": token_ids or []} if self.return_token_ids else {}
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens), **ids}
-            return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish_reason}])
-        choice = {"index": index, "text": text, "logprobs": self._logprobs(tokens), **ids}
+            chat: dict[str, Any] = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens), **ids}
+            return self._envelope("chat.completion.chunk", [{**chat, "finish_reason": finish_reason}])
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(tokens), **ids}
         return self._envelope("text_completion", [{**choice, "finish_reason": finish_reason}])
 
     def usage_chunk(self, results: list[ChoiceResult]) -> dict:

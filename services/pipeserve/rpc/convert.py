@@ -20,6 +20,7 @@ from any client is an InvalidRequestError naming the field.
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.sampling_params import SamplingParams
@@ -61,7 +62,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    values = {}
+    values: dict[str, Any] = {}
     for name in WIRE_FIELDS:
         if _PROTO[name].has_presence and not _repeated(name) and not msg.HasField(name):
             values[name] = None

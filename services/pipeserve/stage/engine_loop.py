@@ -327,7 +327,7 @@ class EngineLoop:
         pending = 0
         for a in self._active.values():
             r = a.req
-            pending += len(r.prompt_token_ids) + r.params.max_tokens - len(r.output_token_ids)
+            pending += len(r.prompt_token_ids) + (r.params.max_tokens or 0) - len(r.output_token_ids)
         total = self.engine.num_total_blocks
         self.stats = LoopStats(
             running=len(sched.running),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol, cast
 
 import msgspec
 import torch
@@ -47,7 +48,16 @@ class Rendezvous:
             raise ConfigError("rendezvous: give either master_addr and master_port, or a rendezvous file")
 
 
-def join(rdzv: Rendezvous, timeout_s: float) -> tuple[dist.ProcessGroup, dist.Store]:
+class CommGroup(Protocol):
+    """A c10d backend used as the group itself (ProcessGroupGloo, ProcessGroupNCCL): the calls the
+    ring makes on it. torch's stubs type these backends without their collectives."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
+
+
+def join(rdzv: Rendezvous, timeout_s: float) -> tuple[CommGroup, dist.Store]:
     """Connect to every other stage; returns the gloo group and the store."""
     timeout = timedelta(seconds=timeout_s)
     if rdzv.file is not None:
@@ -55,6 +65,8 @@ def join(rdzv: Rendezvous, timeout_s: float) -> tuple[dist.ProcessGroup, dist.St
         store.set_timeout(timeout)
         gloo_host = "127.0.0.1"
     else:
+        if rdzv.master_addr is None or rdzv.master_port is None:  # Rendezvous refuses this; for the reader
+            raise ConfigError("rendezvous: master_addr and master_port are needed without a file")
         store = dist.TCPStore(
             rdzv.master_addr,
             rdzv.master_port,
@@ -65,7 +77,7 @@ def join(rdzv: Rendezvous, timeout_s: float) -> tuple[dist.ProcessGroup, dist.St
         )
         gloo_host = None
     store.set(f"joined/{rdzv.rank}", "1")
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     opts._timeout = timeout
     opts._devices = [
         dist.ProcessGroupGloo.create_device(hostname=gloo_host)
@@ -80,12 +92,12 @@ def join(rdzv: Rendezvous, timeout_s: float) -> tuple[dist.ProcessGroup, dist.St
             f"stage {rdzv.rank}: group did not form within {timeout_s:g}s "
             f"(stages not joined: {missing or 'none'}): {str(e).splitlines()[0][:200]}"
         ) from None
-    return meta, store
+    return cast(CommGroup, meta), store
 
 
 def activation_group(
-    rdzv: Rendezvous, store: dist.Store, meta: dist.ProcessGroup, gpus: list[str], timeout_s: float
-) -> dist.ProcessGroup:
+    rdzv: Rendezvous, store: dist.Store, meta: CommGroup, gpus: list[str], timeout_s: float
+) -> CommGroup:
     """NCCL when every stage has a GPU of its own, else the gloo group (activations via host memory).
 
     gpus: each stage's GPU UUID ('' on CPU). NCCL cannot pair two ranks on one
@@ -95,7 +107,8 @@ def activation_group(
         return meta
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
-    return dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rdzv.rank, rdzv.world_size, opts)
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rdzv.rank, rdzv.world_size, opts)
+    return cast(CommGroup, nccl)
 
 
 class StageIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,9 +131,7 @@ _MUST_MATCH = (
 )
 
 
-def agree(
-    pg: dist.ProcessGroup, mine: StageIdentity, world_size: int, timeout_s: float
-) -> list[StageIdentity]:
+def agree(pg: CommGroup, mine: StageIdentity, world_size: int, timeout_s: float) -> list[StageIdentity]:
     """Exchange identities with every stage; returns them in rank order (see module doc)."""
     data = msgspec.json.encode(mine)
     if len(data) > IDENTITY_BYTES:

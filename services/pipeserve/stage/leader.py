@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -150,11 +150,11 @@ class PipelineExecutor:
         if self.failed:
             raise GroupStopped(self.failed, logged=True)
 
-    def stop_group(self, reason: str) -> None:
+    def stop_group(self, reason: str) -> NoReturn:
         """Stop the whole group (stage 0 found a divergence); raises GroupStopped."""
         self._fail(reason)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> NoReturn:
         if self.failed is None:
             self.failed = reason
             log.error("GROUP STOP: %s", reason)

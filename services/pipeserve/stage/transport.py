@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from pipeserve.errors import GroupStopped
 from pipeserve.stage.faults import Faults
+from pipeserve.stage.group import CommGroup
 from pipeserve.stage.messages import Frame, Stop, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ class RingLink:
         self,
         rank: int,
         world_size: int,
-        meta_pg: dist.ProcessGroup,
-        data_pg: dist.ProcessGroup,
+        meta_pg: CommGroup,
+        data_pg: CommGroup,
         act_dtype: torch.dtype,
         device: torch.device,
         timeout_s: float,
