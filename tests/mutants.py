@@ -209,14 +209,14 @@ MUTANTS = [
     (
         "stage ready before the ring is formed",
         "services/pipeserve/stage/health.py",
-        '        return self.phase == "ready" and not self.wedged',
-        '        return self.phase != "loading" and not self.wedged',
+        "        return self.phase is Phase.READY and not self.wedged",
+        "        return self.phase is not Phase.LOADING and not self.wedged",
         "tests/test_stage_server.py -k readyz",
     ),
     (
         "supervisor restarts a group without stopping the old incarnation",
         "services/pipeserve/supervisor/supervisor.py",
-        "        codes = await asyncio.to_thread(slot.kill, self.kill_grace_s)",
+        "        codes = await asyncio.to_thread(slot.kill, self.config.kill_grace_s)",
         "        codes = {}",
         "tests/test_up_faults.py -k killed_then",
     ),

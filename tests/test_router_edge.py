@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from router_support import RouterHarness, ScriptedStage
 from serving_support import UpProcess, metric, wait_until
 
-from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.config import EngineConfig, StageServeConfig, SupervisorConfig
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS, TextStream, held_suffix
 from pipeserve.errors import InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
@@ -329,7 +329,12 @@ def test_supervisor_keeps_restarting_groups_while_the_routers_loop_is_stalled(
         def on_down(name: str, reason: str) -> None:  # as `pipeserve up` wires it
             loop.call_soon_threadsafe(lambda: downs.append((name, threading.current_thread())))
 
-        sup = Supervisor([slot], CollectorRegistry(), on_down=on_down, interval_s=0.2, backoff_s=0.2)
+        sup = Supervisor(
+            [slot],
+            CollectorRegistry(),
+            on_down=on_down,
+            config=SupervisorConfig(interval_s=0.2, backoff_s=0.2),
+        )
         watcher = SupervisorThread(sup)
         await asyncio.to_thread(watcher.start)
         try:

@@ -28,6 +28,7 @@ from typing import NoReturn
 
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, GroupStopped, ModelLoadError
+from pipeserve.lifecycle import Phase
 from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
 from pipeserve.stage.group import Rendezvous
 
@@ -171,7 +172,7 @@ def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: R
         SidePort(status, serve.host, serve.health_port).start()
     if rank == 0:
         return serve_leader(config, serve, rdzv, status)
-    status.phase = "joining"
+    status.phase = Phase.JOINING
     stage = build_stage(config, rdzv)
     follower = Follower(stage)
     detector = WedgeDetector(
@@ -183,10 +184,10 @@ def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: R
         lambda: {"pipeserve_stage_busy_seconds": Metric("counter", "seconds spent computing", meter.busy_s)}
     )
     follower.on_frame = detector.beat
-    follower.on_ready = lambda: setattr(status, "phase", "ready")
+    follower.on_ready = lambda: setattr(status, "phase", Phase.READY)
     detector.start()
     code = follower.run()
-    status.phase = "stopped"
+    status.phase = Phase.STOPPED
     return code
 
 

@@ -245,3 +245,26 @@ class RouterConfig:
         need(self.chat_template is None or bool(self.chat_template), "chat_template", "must not be empty")
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """How `pipeserve up`'s supervisor watches its groups (the operator will read the same fields)."""
+
+    interval_s: float = 0.5  # every group is looked at this often
+    probe_timeout_s: float = 1.0  # deadline of one /livez or /readyz call
+    backoff_s: float = 1.0  # delay before the first restart; doubles per failure in a row
+    backoff_max_s: float = 30.0
+    stable_s: float = 60.0  # a group ready this long is forgiven its past failures
+    kill_grace_s: float = 3.0  # SIGTERM, then SIGKILL after this
+    start_grace_s: float = 30.0  # a new incarnation's side ports may not answer yet for this long
+    ready_margin_s: float = 30.0  # not ready connect_timeout_s + this after its start: restart
+    # /livez silent for longer than the stage's own detector needs (wedge timeout + grace) + this:
+    # a stage frozen too hard to exit by itself (SIGSTOP)
+    unanswered_margin_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        need = _checker(self)
+        for f in fields(self):
+            need(getattr(self, f.name) > 0, f.name, "must be > 0")
+        need(self.backoff_max_s >= self.backoff_s, "backoff_max_s", "must be >= backoff_s")

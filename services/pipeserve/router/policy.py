@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from pipeserve.lifecycle import Phase
+
 AFFINITY_TOKENS = 16  # one KV block of the default block size: the prefix a group may have cached
 
 
@@ -36,6 +38,7 @@ class GroupState:
     target: str
     ready: bool = False
     status: str = "unknown"
+    phase: Phase | None = None  # what stage 0's Health status names; None: unreachable or not said
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0

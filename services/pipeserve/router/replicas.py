@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import ConfigError
+from pipeserve.lifecycle import Phase
 from pipeserve.router import policy
 from pipeserve.router.metrics import GroupMetrics
 from pipeserve.router.policy import GroupState
@@ -206,6 +207,7 @@ class ReplicaSet:
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or g.slow_polls >= SLOW_POLLS:
                 g.ready = False
                 g.status = f"unreachable: {e.code().name}"
+                g.phase = None
                 if g.down_reason is not None and sent > g.down_at:
                     g.down_seen_unready = True
         else:
@@ -213,6 +215,7 @@ class ReplicaSet:
             g.polled_at = time.monotonic()
             g.ready = health.ready and health.max_model_len > 0
             g.status = health.status or ("ready" if health.ready else "not ready")
+            g.phase = Phase.of_status(g.status)
             g.max_model_len = health.max_model_len or g.max_model_len
             g.vocab_size = health.vocab_size or g.vocab_size
             g.seconds_since_token = health.seconds_since_token

@@ -38,6 +38,7 @@ from typing import Protocol
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.lifecycle import Phase
 from pipeserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,13 +83,6 @@ class Sink(Protocol):
     def push(self, delta: Delta) -> None: ...
 
 
-class Phase(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
 @dataclass(frozen=True)
 class LoopStats:
     running: int = 0
@@ -125,7 +119,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self.phase = Phase.STARTING
+        self.phase = Phase.JOINING  # the engine (and its ring) exists; the loop does not serve yet
         self.stop_reason: str | None = None
         self.failed = False  # the loop ended on an error (the group stopped), not a shutdown
         self.stats = LoopStats(kv_blocks_total=engine.num_total_blocks)

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pipeserve.lifecycle import Phase
 from pipeserve.stage.wedge import WedgeDetector
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class StageStatus:
 
     rank: int
     world_size: int
-    phase: str = "loading"  # loading, joining, ready, draining, stopped
+    phase: Phase = Phase.LOADING
     detector: WedgeDetector | None = None
     # Stage 0: whether its engine loop accepts requests (not after a group stop or while draining).
     serving: Callable[[], bool] | None = None
@@ -58,7 +59,7 @@ class StageStatus:
     @property
     def ready(self) -> bool:
         """What /readyz and stage 0's Health both answer."""
-        return self.phase == "ready" and not self.wedged and (self.serving is None or self.serving())
+        return self.phase is Phase.READY and not self.wedged and (self.serving is None or self.serving())
 
     @property
     def wedged(self) -> bool:

@@ -42,6 +42,7 @@ import grpc
 
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import ExitCode, InvalidRequestError
+from pipeserve.lifecycle import Phase
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.rpc.convert import sampling_from_proto
@@ -53,7 +54,6 @@ from pipeserve.stage.engine_loop import (
     ErrorKind,
     NotServing,
     Overloaded,
-    Phase,
 )
 from pipeserve.stage.factory import build_engine
 from pipeserve.stage.group import Rendezvous
@@ -194,12 +194,12 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     term = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, term.set)
-    status.phase = "ready"
+    status.phase = Phase.READY
     log.info("stage 0 serving gRPC on %s:%d (model %s)", serve.host, port, model_name)
     while not term.is_set() and not loop.done.is_set():  # serving: until a signal or a group stop
         await asyncio.sleep(0.1)
     if term.is_set() and not loop.done.is_set():
-        status.phase = "draining"
+        status.phase = Phase.DRAINING
         log.info("draining: %d running, %d waiting", loop.stats.running, loop.stats.waiting)
         loop.drain()
         if not await asyncio.to_thread(loop.join, serve.drain_timeout_s):
@@ -207,7 +207,7 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
             loop.end("server shutting down")
     await asyncio.to_thread(loop.join, loop.engine.config.ring_timeout_s + 5)
     await server.stop(grace=1.0)
-    status.phase = "stopped"
+    status.phase = Phase.STOPPED
     if loop.failed:
         return ExitCode.GROUP_STOP
     if not loop.done.is_set():
@@ -218,7 +218,7 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
 
 def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous, status: StageStatus) -> int:
     """Build the engine (the group forms), serve until SIGTERM or a group stop; the exit status."""
-    status.phase = "joining"
+    status.phase = Phase.JOINING
     engine = build_engine(config, rdzv)
     loop = EngineLoop(engine, serve.max_waiting)
     detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)

@@ -1,6 +1,6 @@
 """Supervisor: starts R pipeline groups and keeps them serving, the way the operator will.
 
-Every `interval_s` it looks at each group:
+Every `interval_s` (SupervisorConfig: every timing below is named there) it looks at each group:
 - a stage process exited (crash, group stop, a wedge the stage detected
   itself) ⇒ the whole group is stopped and restarted;
 - a stage's /livez says wedged (503), or has not answered for longer than
@@ -33,12 +33,11 @@ from collections.abc import Callable
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pipeserve.config import SupervisorConfig
 from pipeserve.errors import ExitCode
 from pipeserve.supervisor.group import GroupSlot, SlotState
 
 log = logging.getLogger(__name__)
-
-PROBE_TIMEOUT_S = 1.0
 
 
 class Supervisor:
@@ -47,19 +46,11 @@ class Supervisor:
         slots: list[GroupSlot],
         registry: CollectorRegistry,
         on_down: Callable[[str, str], None] = lambda name, reason: None,
-        interval_s: float = 0.5,
-        backoff_s: float = 1.0,
-        backoff_max_s: float = 30.0,
-        stable_s: float = 60.0,
-        kill_grace_s: float = 3.0,
+        config: SupervisorConfig | None = None,
     ) -> None:
         self.slots = slots
         self.on_down = on_down
-        self.interval_s = interval_s
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        self.stable_s = stable_s
-        self.kill_grace_s = kill_grace_s
+        self.config = config = config or SupervisorConfig()
         self.restarts = Counter(
             "pipeserve_group_restarts", "whole-group restarts by the supervisor", ["group"], registry=registry
         )
@@ -75,7 +66,7 @@ class Supervisor:
         self.fatal: str | None = None
         self.failed = threading.Event()
         self._stopping = False
-        self._client = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S)
+        self._client = httpx.AsyncClient(timeout=config.probe_timeout_s)
 
     async def start(self) -> None:
         for slot in self.slots:
@@ -87,7 +78,7 @@ class Supervisor:
             await asyncio.gather(*(self._watch(slot) for slot in self.slots))
             if all(s.state is SlotState.READY for s in self.slots):
                 self.all_ready.set()
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.config.interval_s)
 
     async def _watch(self, slot: GroupSlot) -> None:
         now = time.monotonic()
@@ -116,22 +107,23 @@ class Supervisor:
                 slot.ready_at = now
                 self.group_ready.labels(slot.name).set(1)
                 log.info("%s: ready after %.1fs", slot.name, now - slot.started_at)
-            elif now - slot.started_at > slot.config.connect_timeout_s + 30:
+            elif now - slot.started_at > slot.config.connect_timeout_s + self.config.ready_margin_s:
                 await self._fail(slot, f"not ready {now - slot.started_at:.0f}s after start")
-        elif slot.ready_at is not None and now - slot.ready_at > self.stable_s:
+        elif slot.ready_at is not None and now - slot.ready_at > self.config.stable_s:
             slot.failures_in_a_row = 0
 
     async def _probe(self, slot: GroupSlot) -> str | None:
         """A wedged stage, or one that stopped answering; None when every stage is alive."""
-        limit = slot.serve.wedge_timeout_s + slot.serve.wedge_grace_s + 5.0
+        c = self.config
+        limit = slot.serve.wedge_timeout_s + slot.serve.wedge_grace_s + c.unanswered_margin_s
         for rank in range(slot.config.stages):
             try:
                 r = await self._client.get(slot.health_url(rank) + "/livez")
             except httpx.HTTPError:
-                if slot.state is SlotState.STARTING and time.monotonic() - slot.started_at < 30:
+                if slot.state is SlotState.STARTING and time.monotonic() - slot.started_at < c.start_grace_s:
                     continue  # the side port opens a moment after the process starts
                 slot.probe_failures[rank] = slot.probe_failures.get(rank, 0) + 1
-                if slot.probe_failures[rank] * (self.interval_s + PROBE_TIMEOUT_S) > limit:
+                if slot.probe_failures[rank] * (c.interval_s + c.probe_timeout_s) > limit:
                     return f"stage {rank} has not answered /livez for {limit:.0f}s"
                 continue
             slot.probe_failures[rank] = 0
@@ -155,10 +147,10 @@ class Supervisor:
         slot.last_failure = cause
         self.on_down(slot.name, cause)
         self.group_ready.labels(slot.name).set(0)
-        codes = await asyncio.to_thread(slot.kill, self.kill_grace_s)
+        codes = await asyncio.to_thread(slot.kill, self.config.kill_grace_s)
         slot.restarts += 1
         self.restarts.labels(slot.name).inc()
-        delay = min(self.backoff_max_s, self.backoff_s * 2**slot.failures_in_a_row)
+        delay = min(self.config.backoff_max_s, self.config.backoff_s * 2**slot.failures_in_a_row)
         slot.failures_in_a_row += 1
         slot.state = SlotState.BACKOFF
         slot.restart_at = time.monotonic() + delay

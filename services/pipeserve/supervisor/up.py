@@ -173,7 +173,7 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
     await replica_set.close()
     drain = 0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s
     # Bounded: the drain, then each slot's kill grace (stages run in parallel), then a margin.
-    await asyncio.to_thread(watcher.stop, drain, drain + supervisor.kill_grace_s + 30.0)
+    await asyncio.to_thread(watcher.stop, drain, drain + supervisor.config.kill_grace_s + 30.0)
     return ExitCode.CANNOT_START if supervisor.fatal else ExitCode.OK
 
 

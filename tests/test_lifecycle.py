@@ -1,0 +1,41 @@
+"""One lifecycle vocabulary: the side port, stage 0's engine loop and the router's view use `Phase`."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.config import SupervisorConfig
+from pipeserve.errors import ConfigError
+from pipeserve.lifecycle import Phase
+from pipeserve.stage.health import StageStatus
+
+
+def test_phase_reads_status_lines() -> None:
+    assert Phase.of_status("ready") is Phase.READY
+    assert Phase.of_status("stopped: stage 1: deadline: no frame from stage 0") is Phase.STOPPED
+    assert Phase.of_status("draining") is Phase.DRAINING
+    assert Phase.of_status("unreachable: UNAVAILABLE") is None
+    assert f"{Phase.JOINING}" == "joining"  # serialized as the words /readyz always answered
+
+
+def test_ready_only_in_the_ready_phase_and_while_serving() -> None:
+    status = StageStatus(0, 2)
+    serving = {"on": True}
+    status.serving = lambda: serving["on"]
+    assert [p for p in Phase if (setattr(status, "phase", p), status.ready)[1]] == [Phase.READY]
+    status.phase = Phase.READY
+    serving["on"] = False  # a group stop: not ready at once
+    assert not status.ready
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"interval_s": 0}, "interval_s"),
+        ({"backoff_s": 5, "backoff_max_s": 1}, "backoff_max_s"),
+        ({"unanswered_margin_s": -1}, "unanswered_margin_s"),
+    ],
+)
+def test_supervisor_timings_are_validated(bad: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SupervisorConfig(**bad)
