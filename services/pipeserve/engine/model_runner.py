@@ -264,8 +264,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.sample_rows[rows]])
         req_ids = [step.sample_req_ids[i] for i in rows]
         specs = [self.reqs[r].sampling for r in req_ids]
-        tokens, failures = self.sampler(logits, req_ids, specs, [step.sample_indices[i] for i in rows])
-        return tokens, [RequestFailure(f.req_id, f.reason) for f in failures]
+        return self.sampler(logits, req_ids, specs, [step.sample_indices[i] for i in rows])
 
     def _check_requests(self, plan: StepPlan) -> list[RequestFailure]:
         if self.request_check is None:

@@ -20,30 +20,23 @@ No accepted parameter can produce NaN/inf probabilities:
 
 Failure isolation (DESIGN §2.5): a request's failure is the request's. The
 batch is sampled in one pass; if that raises, each row is sampled on its own
-and only the rows that still raise fail, reported as `SampleFailure`s that
+and only the rows that still raise fail, reported as `RequestFailure`s that
 travel along the ring to stage 0, which finishes those requests with an error.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import xxhash
 
-from pipeserve.engine.plan import SampledToken, SamplingSpec
+from pipeserve.engine.plan import RequestFailure, SampledToken, SamplingSpec
 from pipeserve.sampling_params import SAMPLING_EPS
 
 log = logging.getLogger(__name__)
 
 MAX_TEMPERATURE = 1e4  # logits / 1e4 differ by < 1e-2 for any sane logit range: uniform already
-
-
-@dataclass(frozen=True)
-class SampleFailure:
-    req_id: str
-    reason: str
 
 
 def _token_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -101,7 +94,7 @@ class Sampler:
         req_ids: list[str],
         specs: list[SamplingSpec],
         sample_indices: list[int],
-    ) -> tuple[list[SampledToken], list[SampleFailure]]:
+    ) -> tuple[list[SampledToken], list[RequestFailure]]:
         """logits [R, V], one row per request to sample -> (tokens, failures); each row is in exactly one."""
         logits = _finite(logits)
         try:
@@ -109,13 +102,13 @@ class Sampler:
         except Exception:  # isolate the row(s) that raise, below
             log.warning("batched sampling failed; sampling %d rows one by one", len(req_ids), exc_info=True)
         tokens: list[SampledToken] = []
-        failures: list[SampleFailure] = []
+        failures: list[RequestFailure] = []
         for i, rid in enumerate(req_ids):
             try:
                 tokens += self._sample(logits[i : i + 1], [rid], [specs[i]], [sample_indices[i]])
             except Exception as e:  # the request's failure, not the group's
                 log.exception("request %s: sampling failed", rid)
-                failures.append(SampleFailure(rid, f"sampling failed: {type(e).__name__}: {e}"))
+                failures.append(RequestFailure(rid, f"sampling failed: {type(e).__name__}: {e}"))
         return tokens, failures
 
     def _sample(
