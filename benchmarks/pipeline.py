@@ -84,7 +84,7 @@ def stage_bounds(engine: Any, path: Path) -> list[dict[str, int]]:
     from pipeserve.engine.kv_cache import block_bytes
     from pipeserve.model.loader import stage_tensor_names
     from pipeserve.model.stage_model import StageSpec
-    from pipeserve.stage.worker import layer_split
+    from pipeserve.ring.worker import layer_split
 
     cfg, config = engine.model_config, engine.config
     sizes = tensor_bytes(path)

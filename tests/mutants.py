@@ -114,42 +114,42 @@ MUTANTS = [
     ),
     (
         "detecting follower exits without passing the stop on",
-        "services/pipeserve/stage/follower.py",
+        "services/pipeserve/ring/follower.py",
         "            self.link.send(Stop(self.rank, reason, True))",
         "            pass",
         "tests/test_pipeline_faults.py -k corrupted",
     ),
     (
         "stage 0 keeps one plan in the ring",
-        "services/pipeserve/stage/leader.py",
+        "services/pipeserve/ring/leader.py",
         "        return len(self._inflight) < self.max_inflight",
         "        return len(self._inflight) < 1",
         "tests/test_pipeline_ordering.py -k full_ring",
     ),
     (
         "idle stage 0 sends no heartbeat",
-        "services/pipeserve/stage/leader.py",
+        "services/pipeserve/ring/leader.py",
         "                if self.failed or self._closing.is_set() or self._inflight or not idle:",
         "                if True:",
         "tests/test_pipeline_ordering.py -k 'idle and not can-fail'",
     ),
     (
         "ring waits have no deadline",
-        "services/pipeserve/stage/transport.py",
+        "services/pipeserve/ring/transport.py",
         "        self.timeout_s = NO_DEADLINE_S if faults.no_deadline else timeout_s",
         "        self.timeout_s = NO_DEADLINE_S",
         "tests/test_pipeline_faults.py -k stopped",
     ),
     (
         "group takes stage 0's pool size, not the minimum",
-        "services/pipeserve/stage/group.py",
+        "services/pipeserve/ring/group.py",
         "    return min(i.kv_blocks for i in ids)",
         "    return ids[0].kv_blocks",
         "tests/test_pipeline_congruence.py -k smallest",
     ),
     (
         "model fingerprints not compared",
-        "services/pipeserve/stage/group.py",
+        "services/pipeserve/ring/group.py",
         '    ("fingerprint", "model fingerprint"),',
         "",
         "tests/test_pipeline_congruence.py -k checkpoints",
@@ -185,7 +185,7 @@ MUTANTS = [
     # --- serving (issue 4) ---
     (
         "wedge detector counts idle time as stalled",
-        "services/pipeserve/stage/wedge.py",
+        "services/pipeserve/care/wedge.py",
         "            self._last_progress = now  # idle: nothing is owed, the clock starts when work arrives",
         "            pass",
         "tests/test_wedge.py -k idle",
@@ -208,7 +208,7 @@ MUTANTS = [
     ),
     (
         "stage ready before the ring is formed",
-        "services/pipeserve/stage/health.py",
+        "services/pipeserve/care/health.py",
         "        return self.phase is Phase.READY and not self.wedged",
         "        return self.phase is not Phase.LOADING and not self.wedged",
         "tests/test_stage_server.py -k readyz",
@@ -292,7 +292,7 @@ MUTANTS = [
     ),
     (
         "stage 0's /readyz lags its group stop",
-        "services/pipeserve/stage/health.py",
+        "services/pipeserve/care/health.py",
         "(self.serving is None or self.serving())",
         "True",
         "tests/test_failure_isolation.py -k agree",
@@ -400,11 +400,18 @@ MUTANTS = [
     ),
     # --- structure --------------------------------------------------------------------------
     (
-        "the engine builds its own ring executor (engine imports stage/)",
+        "the engine builds its own ring executor (engine imports ring/)",
         "services/pipeserve/engine/engine.py",
         "from pipeserve.engine.executor import Executor\n",
-        "from pipeserve.engine.executor import Executor\nfrom pipeserve.stage import leader\n",
-        "tests/test_import_graph.py",
+        "from pipeserve.engine.executor import Executor\nfrom pipeserve.ring import leader\n",
+        "tests/test_import_graph.py -k engine",
+    ),
+    (
+        "the ring reaches up into the stage process (ring/ imports care/)",
+        "services/pipeserve/ring/follower.py",
+        "from pipeserve.ring.leader import warm_activation\n",
+        "from pipeserve.care.wedge import WedgeDetector\nfrom pipeserve.ring.leader import warm_activation\n",
+        "tests/test_import_graph.py -k ring",
     ),
     (
         "supervisor/up.py imports cli back (an import cycle)",

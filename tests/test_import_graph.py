@@ -1,10 +1,12 @@
 """The package layering, read from the source (every import, lazy ones included).
 
 * No import cycle between modules of `services/pipeserve`, nor between its packages.
-* The engine is handed its executor: `engine/` imports nothing from the process roles
-  (stage, router, supervisor, entrypoints, cli).
+* The engine is handed its executor: `engine/` imports nothing from the process roles and
+  their layers (ring, care, stage, router, supervisor, entrypoints, cli).
+* The ring is below the stage process: `ring/` imports nothing from stage 0's front (stage),
+  process care (care) or the roles above them.
 * The router needs only the tokenizer files, never the weights: it imports nothing that
-  runs a model (engine, model, stage) — what `pipeserve router` on its own will rely on.
+  runs a model (engine, model, ring, stage) — what `pipeserve router` on its own will rely on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "services"
-ROLES = ("stage", "router", "supervisor", "entrypoints", "cli")
+ROLES = ("ring", "care", "stage", "router", "supervisor", "entrypoints", "cli")
 
 
 def _modules() -> dict[str, Path]:
@@ -98,8 +100,16 @@ def test_engine_imports_no_process_role() -> None:
     assert bad == set(), f"engine/ imports {sorted(bad)}: hand it what it needs instead"
 
 
+def test_ring_is_below_the_stage_process() -> None:
+    above = ("care", "stage", "router", "supervisor", "entrypoints", "cli")
+    bad = {t for t in _imports_of("pipeserve.ring") if t.split(".")[1] in above}
+    assert bad == set(), f"ring/ imports {sorted(bad)}"
+
+
 def test_router_runs_no_model() -> None:
-    bad = {t for t in _imports_of("pipeserve.router") if t.split(".")[1] in ("engine", "model", "stage")}
+    bad = {
+        t for t in _imports_of("pipeserve.router") if t.split(".")[1] in ("engine", "model", "ring", "stage")
+    }
     assert bad == set(), f"router/ imports {sorted(bad)}"
 
 

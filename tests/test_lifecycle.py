@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipeserve.care.health import StageStatus
 from pipeserve.config import SupervisorConfig
 from pipeserve.errors import ConfigError
 from pipeserve.lifecycle import Phase
-from pipeserve.stage.health import StageStatus
 
 
 def test_phase_reads_status_lines() -> None:

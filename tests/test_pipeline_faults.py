@@ -28,7 +28,7 @@ from pipeline_support import (
 )
 from pipeserve import LLM, SamplingParams
 from pipeserve.errors import ExitCode, GroupStopped
-from pipeserve.stage.faults import ENV, Faults
+from pipeserve.ring.faults import ENV, Faults
 
 RING_TIMEOUT = 3.0
 

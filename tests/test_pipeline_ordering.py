@@ -1,7 +1,7 @@
-"""The ordering rules of stage/transport.py, each pinned with live stage processes over gloo.
+"""The ordering rules of ring/transport.py, each pinned with live stage processes over gloo.
 
 Every rule has a correct run and a *can-fail* variant that breaks the rule on
-purpose (stage/faults.py). The variant must be caught by the deadlines —
+purpose (ring/faults.py). The variant must be caught by the deadlines —
 the group stops with a line naming what it waited for, within ring_timeout
 plus a margin — instead of hanging the suite; for the deadline rule itself,
 the variant is shown to hang past the bound and the test cleans it up.
@@ -28,7 +28,7 @@ from pipeline_support import (
 )
 from pipeserve import LLM, SamplingParams
 from pipeserve.errors import GroupStopped
-from pipeserve.stage.faults import ENV, Faults
+from pipeserve.ring.faults import ENV, Faults
 
 RING_TIMEOUT = 3.0
 BOUND = RING_TIMEOUT + 6  # a broken rule must be reported within this

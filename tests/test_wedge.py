@@ -18,8 +18,8 @@ import pytest
 from serving_support import greedy_request, live_group, stub, wait_until
 
 from pipeline_support import pid_alive
+from pipeserve.care.wedge import WedgeDetector
 from pipeserve.errors import ExitCode
-from pipeserve.stage.wedge import WedgeDetector
 
 
 class _Work:
@@ -34,7 +34,7 @@ class _Work:
 def test_pending_without_progress_is_one_report_then_exit(caplog: pytest.LogCaptureFixture) -> None:
     work = _Work()
     det = work.detector(timeout_s=0.4, grace_s=0.3)
-    caplog.set_level(logging.ERROR, logger="pipeserve.stage.wedge")
+    caplog.set_level(logging.ERROR, logger="pipeserve.care.wedge")
     det.start()
     work.pending = "3 plans in the ring"
     t0 = time.monotonic()

@@ -19,20 +19,14 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import fields
 from typing import NoReturn
 
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
-from pipeserve.errors import ConfigError, ExitCode, GroupStopped, ModelLoadError
-from pipeserve.lifecycle import Phase
+from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
-from pipeserve.stage.group import Rendezvous
-
-log = logging.getLogger("pipeserve.stage")
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -101,94 +95,20 @@ def _convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch_parent(pid: int, rank: int) -> None:
-    """A locally launched stage exits when the process that started it is gone (no orphans)."""
-
-    def loop() -> None:
-        while os.getppid() == pid:
-            time.sleep(0.5)
-        log.error("GROUP STOP: stage %d: parent process %d exited", rank, pid)
-        os._exit(ExitCode.GROUP_STOP)
-
-    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
-
-
 def _stage(args: argparse.Namespace) -> NoReturn:
-    from pipeserve.stage.launcher import PARENT_ENV
+    from pipeserve.ring.group import Rendezvous
+    from pipeserve.stage.main import run_stage
 
     missing = [n for n in ("model", "rank", "world_size") if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"stage: missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
     config = config_from_args(EngineConfig, args, model=args.model, stages=args.world_size)
     serve = config_from_args(StageServeConfig, args, skip=set())
-    rdzv = Rendezvous(args.rank, args.world_size, args.master_addr, args.master_port, args.rendezvous_file)
-    if parent := os.environ.get(PARENT_ENV):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
-        _watch_parent(int(parent), args.rank)
-    threading.excepthook = _thread_died
-    try:
-        code = _run_stage(args.rank, config, serve, rdzv)
-    except GroupStopped as e:
-        if not e.logged:
-            log.error("GROUP STOP: %s", e)
-        code = ExitCode.GROUP_STOP
-    except (ValueError, ModelLoadError) as e:  # ConfigError, a checkpoint this stage cannot serve
-        log.error("stage %d cannot start: %s", args.rank, e)
-        code = ExitCode.CANNOT_START
-    except Exception:  # a bug: a defined status and the traceback, never the interpreter's teardown
-        log.exception("stage %d: unexpected error", args.rank)
-        code = ExitCode.INTERNAL_ERROR
-    _exit_now(code)
-
-
-def _exit_now(code: int) -> NoReturn:
-    # Skip interpreter teardown: destroying a process group whose receiver thread is
-    # blocked in a native wait aborts the process, turning a clean status into SIGABRT.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _thread_died(args: threading.ExceptHookArgs) -> None:
-    """An exception escaped one of a stage's threads: the stage cannot be trusted to go on."""
-    if args.exc_type is SystemExit:
-        return
-    name = args.thread.name if args.thread is not None else "?"
-    exc = args.exc_value if args.exc_value is not None else args.exc_type()
-    log.critical("thread %s died: %s", name, exc, exc_info=(args.exc_type, exc, args.exc_traceback))
-    _exit_now(ExitCode.INTERNAL_ERROR)
-
-
-def _run_stage(rank: int, config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> int:
-    from pipeserve.stage.follower import Follower
-    from pipeserve.stage.health import Metric, SidePort, StageStatus
-    from pipeserve.stage.server import serve_leader
-    from pipeserve.stage.wedge import WedgeDetector
-    from pipeserve.stage.worker import build_stage
-
-    status = StageStatus(rank, config.stages)
-    if serve.health_port:
-        SidePort(status, serve.host, serve.health_port).start()
-    if rank == 0:
-        return serve_leader(config, serve, rdzv, status)
-    status.phase = Phase.JOINING
-    stage = build_stage(config, rdzv)
-    follower = Follower(stage)
-    detector = WedgeDetector(
-        f"stage {rank}", follower.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s
+    run_stage(
+        config,
+        serve,
+        Rendezvous(args.rank, args.world_size, args.master_addr, args.master_port, args.rendezvous_file),
     )
-    status.detector = detector
-    meter = stage.runner.meter
-    status.sources.append(
-        lambda: {"pipeserve_stage_busy_seconds": Metric("counter", "seconds spent computing", meter.busy_s)}
-    )
-    follower.on_frame = detector.beat
-    follower.on_ready = lambda: setattr(status, "phase", Phase.READY)
-    detector.start()
-    code = follower.run()
-    status.phase = Phase.STOPPED
-    return code
 
 
 def _env_int(name: str) -> int | None:

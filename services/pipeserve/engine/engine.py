@@ -3,7 +3,7 @@
 `step()` sends every plan the ring can take (up to max_inflight; one with a
 single stage), then waits for the oldest plan's result and applies it,
 returning the requests that finished. The executor is the in-process
-ModelRunner for one stage, or the ring of stage processes (stage/leader.py);
+ModelRunner for one stage, or the ring of stage processes (ring/leader.py);
 either is built outside the engine and handed in (stage/factory.py
 `build_engine`), so the engine imports nothing from stage/.
 """

@@ -12,7 +12,7 @@ Contract (both implementations):
   close()        stop the executors (clean shutdown); idempotent
 
 LocalExecutor runs the whole model in-process (one stage, one plan at a
-time); stage/leader.py's PipelineExecutor drives a ring of stage processes.
+time); ring/leader.py's PipelineExecutor drives a ring of stage processes.
 The engine knows only this Protocol: stage/factory.py builds the executor
 and hands it in, so engine/ imports nothing from stage/.
 """

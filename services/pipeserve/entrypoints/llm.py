@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self, cast
 
+from pipeserve.care.launcher import LocalGroup, local_group_config
 from pipeserve.config import EngineConfig
 from pipeserve.detokenize import TextStream
 from pipeserve.engine.engine import LLMEngine
@@ -34,10 +35,9 @@ from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
+from pipeserve.ring.worker import layer_split
 from pipeserve.sampling_params import SamplingParams, resolve_max_tokens
 from pipeserve.stage.factory import build_engine
-from pipeserve.stage.launcher import LocalGroup, local_group_config
-from pipeserve.stage.worker import layer_split
 from pipeserve.tokenizer import TokenizerAssets
 
 Prompt = str | list[int]

@@ -1,1 +1,3 @@
-"""Pipeline-group stages: the ring transport, the follower loop, stage 0's side of the ring."""
+"""A stage process: its entry point (main) and stage 0's front — the gRPC request server
+(server), the engine loop that owns the engine (engine_loop), and the engine's construction
+with its executor (factory). The ring is in `pipeserve.ring`, process care in `pipeserve.care`."""

@@ -1,7 +1,7 @@
 """build_engine: stage 0's engine with its executor — in-process for one stage, the ring for several.
 
 The engine (engine/) knows only the Executor protocol; this is where stage 0's
-stage is built (weights, pool, group joined: stage/worker.py) and the executor
+stage is built (weights, pool, group joined: ring/worker.py) and the executor
 chosen: LocalExecutor when the group has one stage, else a PipelineExecutor
 whose ring is formed and warmed before the engine is returned.
 """
@@ -12,9 +12,9 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.executor import Executor, LocalExecutor
 from pipeserve.errors import ConfigError
-from pipeserve.stage.group import Rendezvous
-from pipeserve.stage.leader import PipelineExecutor
-from pipeserve.stage.worker import build_stage
+from pipeserve.ring.group import Rendezvous
+from pipeserve.ring.leader import PipelineExecutor
+from pipeserve.ring.worker import build_stage
 
 
 def build_engine(config: EngineConfig, rendezvous: Rendezvous | None = None) -> LLMEngine:

@@ -40,9 +40,12 @@ import time
 
 import grpc
 
+from pipeserve.care.health import Metric, StageStatus
+from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.lifecycle import Phase
+from pipeserve.ring.group import Rendezvous
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.rpc.convert import sampling_from_proto
@@ -56,9 +59,6 @@ from pipeserve.stage.engine_loop import (
     Overloaded,
 )
 from pipeserve.stage.factory import build_engine
-from pipeserve.stage.group import Rendezvous
-from pipeserve.stage.health import Metric, StageStatus
-from pipeserve.stage.wedge import WedgeDetector
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from pipeserve.care.launcher import LocalGroup
 from pipeserve.config import EngineConfig, StageServeConfig, config_argv
-from pipeserve.stage.launcher import LocalGroup
 
 log = logging.getLogger(__name__)
 

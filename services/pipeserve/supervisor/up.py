@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
+from pipeserve.care.launcher import local_group_config
 from pipeserve.config import (
     POLICIES,
     EngineConfig,
@@ -41,7 +42,6 @@ from pipeserve.config import (
 )
 from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.http_guard import RouterServer, server_config
-from pipeserve.stage.launcher import local_group_config
 from pipeserve.supervisor.group import GroupSlot
 
 log = logging.getLogger("pipeserve.up")

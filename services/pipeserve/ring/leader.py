@@ -27,9 +27,9 @@ import torch
 
 from pipeserve.engine.plan import StepOutput, StepPlan
 from pipeserve.errors import GroupStopped
-from pipeserve.stage.messages import Forward, Heartbeat, Hello, Result, Stop
-from pipeserve.stage.transport import RingLink
-from pipeserve.stage.worker import Stage
+from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
+from pipeserve.ring.transport import RingLink
+from pipeserve.ring.worker import Stage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

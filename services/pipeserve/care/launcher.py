@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeserve.config import EngineConfig, config_argv
-from pipeserve.stage.group import Rendezvous
+from pipeserve.ring.group import Rendezvous
 
 log = logging.getLogger(__name__)
 

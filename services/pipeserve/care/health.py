@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pipeserve.care.wedge import WedgeDetector
 from pipeserve.lifecycle import Phase
-from pipeserve.stage.wedge import WedgeDetector
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ few bytes; NCCL's first send on a pair also waits for the peer). A ring of
 stages that each block on a send before receiving deadlocks as soon as every
 stage holds a frame. The ordering rules below make that impossible; each is
 pinned by a live-process test (tests/test_pipeline_ordering.py) with a
-variant that breaks it (stage/faults.py) and is caught by its deadline.
+variant that breaks it (ring/faults.py) and is caught by its deadline.
 
 1. Receives are posted ahead. A receiver thread keeps a receive posted on the
    inbound link at all times and queues whole frames, so a predecessor's send
@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 from pipeserve.errors import GroupStopped
-from pipeserve.stage.faults import Faults
-from pipeserve.stage.group import CommGroup
-from pipeserve.stage.messages import Frame, Stop, decode_frame, encode_frame
+from pipeserve.ring.faults import Faults
+from pipeserve.ring.group import CommGroup
+from pipeserve.ring.messages import Frame, Stop, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
 

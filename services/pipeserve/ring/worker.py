@@ -20,8 +20,8 @@ from pipeserve.errors import ConfigError
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader import balanced_layer_split, load_stage_model, model_fingerprint
 from pipeserve.model.stage_model import StageSpec
-from pipeserve.stage.faults import Faults
-from pipeserve.stage.group import (
+from pipeserve.ring.faults import Faults
+from pipeserve.ring.group import (
     Rendezvous,
     StageIdentity,
     activation_group,
@@ -29,7 +29,7 @@ from pipeserve.stage.group import (
     group_blocks,
     join,
 )
-from pipeserve.stage.transport import RingLink
+from pipeserve.ring.transport import RingLink
 
 log = logging.getLogger(__name__)
 

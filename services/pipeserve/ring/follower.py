@@ -25,10 +25,10 @@ from collections.abc import Callable
 from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import StepOutput
 from pipeserve.errors import ExitCode, GroupStopped
-from pipeserve.stage.leader import warm_activation
-from pipeserve.stage.messages import Forward, Heartbeat, Hello, Result, Stop
-from pipeserve.stage.transport import RingLink
-from pipeserve.stage.worker import Stage
+from pipeserve.ring.leader import warm_activation
+from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
+from pipeserve.ring.transport import RingLink
+from pipeserve.ring.worker import Stage
 
 log = logging.getLogger(__name__)
 
