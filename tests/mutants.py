@@ -414,6 +414,13 @@ MUTANTS = [
         "tests/test_import_graph.py -k ring",
     ),
     (
+        "pipeserve up leaves the supervisor's timings unsettable",
+        "services/pipeserve/supervisor/up.py",
+        "    add_config_args(u, SupervisorConfig, skip=set(), prefix=SUPERVISOR_PREFIX)\n",
+        "",
+        "tests/test_up_flags.py",
+    ),
+    (
         "supervisor/up.py imports cli back (an import cycle)",
         "services/pipeserve/supervisor/up.py",
         "from pipeserve.config import (",

@@ -102,7 +102,7 @@ def _until_running(up: UpProcess, group: dict, n: int) -> None:
 
 def test_killed_then_frozen_stage_restarts_the_whole_group(llama_dir: Path, tmp_path: Path) -> None:
     args = ["--model", str(llama_dir), "--stages", "2", "--num-kv-blocks", "1024"]
-    up = UpProcess(*args, "--wedge-timeout", str(WEDGE_S), "--wedge-grace", "1", log_dir=tmp_path)
+    up = UpProcess(*args, "--wedge-timeout-s", str(WEDGE_S), "--wedge-grace-s", "1", log_dir=tmp_path)
     try:
         up.wait_ready()
         model = str(llama_dir)

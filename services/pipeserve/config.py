@@ -11,9 +11,10 @@ Environment variables use the PIPESERVE_ prefix and are read by the CLI.
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -49,6 +50,8 @@ def parse_layer_split(text: str) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine and its pipeline group: batching, the KV pool, the ring's deadlines."""
+
     model: str
     dtype: str | None = None  # None: the checkpoint's dtype
     device: str = "cpu"
@@ -128,22 +131,34 @@ def _flag_type(cls: type, name: str) -> type:
     return hint
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: set[str] = _NOT_FLAGS) -> None:
-    """One flag per dataclass field (`--max-num-seqs`), defaulting to the field's default."""
+def add_config_args(
+    parser: argparse.ArgumentParser, cls: type, skip: set[str] = _NOT_FLAGS, prefix: str = ""
+) -> None:
+    """One flag per dataclass field (`--max-num-seqs`; `--{prefix}-...` with a prefix), defaulting
+    to the field's default. A field's metadata may add `choices`, older spellings (`aliases`) and
+    an environment variable that replaces the default when set and non-empty (`env`). The flags
+    form one group of the help, titled by the class and described by its docstring."""
+    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").split("\n\n")[0].strip())
     for f in fields(cls):
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        dest = prefix + f.name
+        names = ["--" + dest.replace("_", "-"), *f.metadata.get("aliases", ())]
         kind = _flag_type(cls, f.name)
         default = None if f.default is MISSING else f.default
+        if (env := f.metadata.get("env")) and os.environ.get(env):
+            default = os.environ[env]  # a string: argparse converts it with `type`
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=default)
         else:
-            parser.add_argument(flag, type=kind, default=default)
+            choices = f.metadata.get("choices")
+            group.add_argument(*names, dest=dest, type=kind, default=default, choices=choices)
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace, skip: set[str] = _NOT_FLAGS, **fixed) -> T:
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in skip}  # type: ignore[arg-type]
+def config_from_args(
+    cls: type[T], args: argparse.Namespace, skip: set[str] = _NOT_FLAGS, prefix: str = "", **fixed
+) -> T:
+    values = {f.name: getattr(args, prefix + f.name) for f in fields(cls) if f.name not in skip}  # type: ignore[arg-type]
     return cls(**values, **fixed)
 
 
@@ -173,10 +188,13 @@ class StageServeConfig:
     host: str = "127.0.0.1"  # where the side port and stage 0's gRPC server listen
     health_port: int = 0  # /livez /readyz /metrics; 0: no side port
     grpc_port: int = 0  # stage 0 only; 0: no gRPC server (the stage idles, as before issue 4)
-    wedge_timeout_s: float = 60.0  # work pending and no progress this long ⇒ WEDGE
-    wedge_grace_s: float = 5.0  # after the WEDGE report, exit non-zero after this long
+    # work pending and no progress this long ⇒ WEDGE (`--wedge-timeout`: the older spelling)
+    wedge_timeout_s: float = field(default=60.0, metadata={"aliases": ("--wedge-timeout",)})
+    # after the WEDGE report, exit non-zero after this long
+    wedge_grace_s: float = field(default=5.0, metadata={"aliases": ("--wedge-grace",)})
     max_waiting: int = 1024  # stage 0's admission bound: queued requests beyond it get RESOURCE_EXHAUSTED
-    drain_timeout_s: float = 30.0  # SIGTERM: finish in-flight requests for at most this long
+    # SIGTERM: finish in-flight requests for at most this long
+    drain_timeout_s: float = field(default=30.0, metadata={"aliases": ("--drain-timeout",)})
     served_model_name: str = ""
 
     def __post_init__(self) -> None:
@@ -197,8 +215,9 @@ class RouterConfig:
     served_model_name: str = ""  # the `model` clients send; "" means `model` as given
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "round_robin"
-    api_key: str | None = None  # Bearer token for /v1/*, /groups, /openapi.json; None: open
+    policy: str = field(default="round_robin", metadata={"choices": POLICIES})
+    # Bearer token for /v1/*, /groups, /openapi.json; None: open
+    api_key: str | None = field(default=None, metadata={"env": "PIPESERVE_API_KEY"})
     max_concurrency: int = 256  # requests in flight at the router; more get 429
     health_interval_s: float = 0.5  # how often every group's Health and Load are polled
     rpc_timeout_s: float = 2.0  # deadline of Health, Load and Abort calls

@@ -33,10 +33,10 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.care.launcher import local_group_config
 from pipeserve.config import (
-    POLICIES,
     EngineConfig,
     RouterConfig,
     StageServeConfig,
+    SupervisorConfig,
     add_config_args,
     config_from_args,
 )
@@ -55,27 +55,37 @@ class _Server(RouterServer):
         yield
 
 
+# What `pipeserve up` fixes itself rather than take as a flag: stages are its children, so their
+# ports are free ones on 127.0.0.1; the checkpoint and the served name are shared with the router.
+_UP_SERVE_FIXED = {"host", "health_port", "grpc_port", "served_model_name"}
+_UP_ROUTER_FIXED = {"model"}
+SUPERVISOR_PREFIX = "supervisor_"  # --supervisor-backoff-s ...: the router has a probe_timeout_s too
+
+
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
+    """`pipeserve up`'s flags: a few of its own, then one per field of every config it builds."""
     u = sub.add_parser("up", help="serve: R pipeline groups of S stages behind the OpenAI-compatible router")
     u.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"), help="default: SmolLM2-135M")
-    u.add_argument("--served-model-name", default=None)
     u.add_argument("--stages", type=int, default=1)
     u.add_argument("--replicas", type=int, default=1)
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=8000)
-    u.add_argument("--policy", choices=POLICIES, default="round_robin")
-    u.add_argument("--wedge-timeout", type=float, default=StageServeConfig.wedge_timeout_s, metavar="SEC")
-    u.add_argument("--wedge-grace", type=float, default=StageServeConfig.wedge_grace_s, metavar="SEC")
-    u.add_argument("--api-key", default=os.environ.get("PIPESERVE_API_KEY"))
-    u.add_argument("--max-concurrency", type=int, default=RouterConfig.max_concurrency)
-    u.add_argument("--chat-template", default=None, help="a Jinja chat template: a file path or the text")
-    u.add_argument("--drain-timeout", type=float, default=StageServeConfig.drain_timeout_s, metavar="SEC")
     u.add_argument("--log-dir", default=None, help="stage logs go to DIR/group-G-stage-K.log")
+    add_config_args(u, RouterConfig, skip=_UP_ROUTER_FIXED)
+    add_config_args(u, StageServeConfig, skip=_UP_SERVE_FIXED)
+    add_config_args(u, SupervisorConfig, skip=set(), prefix=SUPERVISOR_PREFIX)
     add_config_args(u, EngineConfig)
     u.set_defaults(func=run_up)
 
 
-def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeConfig, RouterConfig]:
+@dataclasses.dataclass(frozen=True)
+class UpConfigs:
+    engine: EngineConfig
+    serve: StageServeConfig
+    router: RouterConfig
+    supervisor: SupervisorConfig
+    replicas: int
+
+
+def build_configs(args: argparse.Namespace) -> UpConfigs:
     from pipeserve.model.default import DEFAULT_MODEL_NAME, default_model
 
     if args.replicas < 1:
@@ -86,33 +96,24 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, StageServeCon
     engine = dataclasses.replace(engine, log_dir=args.log_dir)
     # The machine is shared by every stage of every group.
     engine = local_group_config(engine, processes=args.stages * args.replicas)
-    serve = StageServeConfig(
-        host="127.0.0.1",  # stages are this process's children: their ports stay local
-        wedge_timeout_s=args.wedge_timeout,
-        wedge_grace_s=args.wedge_grace,
-        drain_timeout_s=args.drain_timeout,
-        served_model_name=name,
+    serve = config_from_args(
+        StageServeConfig, args, skip=_UP_SERVE_FIXED, host="127.0.0.1", served_model_name=name
     )
-    router = RouterConfig(
-        model=model,
-        served_model_name=name,
-        host=args.host,
-        port=args.port,
-        policy=args.policy,
-        api_key=args.api_key or None,
-        max_concurrency=args.max_concurrency,
-        chat_template=args.chat_template,
+    router = config_from_args(
+        RouterConfig, args, skip=_UP_ROUTER_FIXED | {"served_model_name"}, model=model, served_model_name=name
     )
-    return engine, serve, router
+    supervisor = config_from_args(SupervisorConfig, args, skip=set(), prefix=SUPERVISOR_PREFIX)
+    return UpConfigs(engine, serve, router, supervisor, args.replicas)
 
 
-async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: RouterConfig, replicas: int) -> int:
+async def serve_up(configs: UpConfigs) -> int:
+    engine, serve, router = configs.engine, configs.serve, configs.router
     from pipeserve.router.app import build_app
     from pipeserve.router.replicas import ReplicaSet
     from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
     registry = CollectorRegistry()
-    slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(replicas)]
+    slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(configs.replicas)]
     targets = {s.name: s.grpc_target for s in slots}
     replica_set = ReplicaSet(router, targets, registry)
     loop = asyncio.get_running_loop()
@@ -120,7 +121,7 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
     def on_down(name: str, reason: str) -> None:  # called on the supervisor's thread
         loop.call_soon_threadsafe(replica_set.set_down, name, reason)
 
-    supervisor = Supervisor(slots, registry, on_down=on_down)
+    supervisor = Supervisor(slots, registry, on_down=on_down, config=configs.supervisor)
     watcher = SupervisorThread(supervisor)
     app = build_app(router, replica_set, registry)
 
@@ -178,5 +179,4 @@ async def serve_up(engine: EngineConfig, serve: StageServeConfig, router: Router
 
 
 def run_up(args: argparse.Namespace) -> int:
-    engine, serve, router = build_configs(args)
-    return asyncio.run(serve_up(engine, serve, router, args.replicas))
+    return asyncio.run(serve_up(build_configs(args)))
