@@ -53,15 +53,15 @@ clean:
 mutants: $(STAMP)
 	$(PY) tests/mutants.py
 
-# Regenerate the gRPC modules from the .proto (tests/test_rpc_codegen.py checks they are current).
+# Regenerate the gRPC modules from the .proto (tests/rpc/test_rpc_codegen.py checks they are current).
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I services --python_out=services --pyi_out=services \
 		--grpc_python_out=services services/pipeserve/rpc/generation.proto
 
-# The API fuzz (hypothesis: tests/test_api_fuzz.py; schemathesis from /openapi.json:
-# tests/test_api_schemathesis.py) for longer than CI runs it: 0 responses >= 500, 0 stage exits,
+# The API fuzz (hypothesis: tests/router/test_api_fuzz.py; schemathesis from /openapi.json:
+# tests/router/test_api_schemathesis.py) for longer than CI runs it: 0 responses >= 500, 0 stage exits,
 # 0 group restarts against pipeserve up --stages 2 --replicas 2.
 FUZZ_EXAMPLES ?= 2000
 fuzz: $(STAMP)
 	PIPESERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PIPESERVE_SCHEMATHESIS_EXAMPLES=$(FUZZ_EXAMPLES) \
-		$(PY) -m pytest -q -s tests/test_api_fuzz.py tests/test_api_schemathesis.py
+		$(PY) -m pytest -q -s tests/router/test_api_fuzz.py tests/router/test_api_schemathesis.py

@@ -23,13 +23,13 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
-from serving_support import wait_until
 
 from pipeserve.config import RouterConfig
 from pipeserve.router.app import build_app, uvicorn_server
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
+from serving_support import wait_until
 
 FAST = {
     "health_interval_s": 0.05,

@@ -14,8 +14,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness, ScriptedStage
-from serving_support import UpProcess, running_up
 from tokenizers import Tokenizer, models, normalizers
 from transformers import AutoTokenizer
 
@@ -23,6 +21,8 @@ from conftest import hf_greedy
 from pipeserve.errors import InvalidRequestError
 from pipeserve.model.demo import BOS_TOKEN, DemoSpec, write_demo_model
 from pipeserve.tokenizer import TokenizerAssets
+from router_support import RouterHarness, ScriptedStage
+from serving_support import UpProcess, running_up
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about ships."}]
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"

@@ -5,7 +5,7 @@ only once the peer has posted the matching receive (gloo behaves so even for a
 few bytes; NCCL's first send on a pair also waits for the peer). A ring of
 stages that each block on a send before receiving deadlocks as soon as every
 stage holds a frame. The ordering rules below make that impossible; each is
-pinned by a live-process test (tests/test_pipeline_ordering.py) with a
+pinned by a live-process test (tests/ring/test_pipeline_ordering.py) with a
 variant that breaks it (ring/faults.py) and is caught by its deadline.
 
 1. Receives are posted ahead. A receiver thread keeps a receive posted on the

@@ -32,6 +32,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
 from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from serving_support import greedy_request, live_group, stub, wait_until
 
 from pipeline_support import pid_alive
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.errors import ExitCode
+from serving_support import greedy_request, live_group, stub, wait_until
 
 
 class _Work:

@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness
-from serving_support import generate, greedy_request, live_slots, metric, stub, wait_until
 
 from pipeserve.config import EngineConfig
 from pipeserve.supervisor.group import GroupSlot
 from pipeserve.tokenizer import TokenizerAssets
+from router_support import RouterHarness
+from serving_support import generate, greedy_request, live_slots, metric, stub, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "e2e-key"

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from gguf_support import converted_smollm2
-from serving_support import UpProcess, running_up
 
 from conftest import assert_matches_hf, hf_greedy
+from gguf_support import converted_smollm2
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.default import DEFAULT_MODEL_NAME
+from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+
 from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_support import RouterHarness
-from serving_support import live_slots, metric, wait_until
 
 from pipeserve.config import EngineConfig
 from pipeserve.supervisor.group import GroupSlot
+from router_support import RouterHarness
+from serving_support import live_slots, metric, wait_until
 
 pytestmark = pytest.mark.slow
 FAIL, CRASH = 777, 778

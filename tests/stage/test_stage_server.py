@@ -10,11 +10,11 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from serving_support import generate, greedy_request, live_group, metric, stub, wait_http, wait_until
 
 from conftest import hf_greedy
 from pipeline_support import wait_dead
 from pipeserve.rpc import generation_pb2 as pb
+from serving_support import generate, greedy_request, live_group, metric, stub, wait_http, wait_until
 
 
 def test_generate_matches_hf_and_cancel_frees_blocks_on_every_stage(llama_dir: Path, tmp_path: Path) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving_support import UpProcess, running_up
 from transformers import AutoTokenizer
 
 from conftest import hf_greedy, random_prompts
+from serving_support import UpProcess, running_up
 
 MAX_TOKENS = 12
 

@@ -22,8 +22,6 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from router_support import RouterHarness, ScriptedStage
-from serving_support import UpProcess, metric, wait_until
 
 from pipeserve.config import EngineConfig, StageServeConfig, SupervisorConfig
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS, TextStream, held_suffix
@@ -31,6 +29,8 @@ from pipeserve.errors import InvalidRequestError
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.supervisor.group import GroupSlot
 from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
+from router_support import RouterHarness, ScriptedStage
+from serving_support import UpProcess, metric, wait_until
 
 
 def chars(ids: list[int]) -> str:

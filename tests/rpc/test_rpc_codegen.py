@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py")
 
 

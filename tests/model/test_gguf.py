@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_support import converted_smollm2, llama_cpp_permute, smollm2_file, write_llama_gguf
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from gguf_support import converted_smollm2, llama_cpp_permute, smollm2_file, write_llama_gguf
 from pipeserve.cli import main
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness, ScriptedStage
-from serving_support import wait_until
 
 from pipeserve.tokenizer import TokenizerAssets
+from router_support import RouterHarness, ScriptedStage
+from serving_support import wait_until
 
 TEXT = "Hello 🙂 world! 你好 The quick brown fox END tail"
 

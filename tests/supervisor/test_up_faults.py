@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_support import UpProcess, metric, wait_until
 
 from pipeline_support import pid_alive, wait_dead
+from serving_support import UpProcess, metric, wait_until
 
 pytestmark = pytest.mark.slow
 

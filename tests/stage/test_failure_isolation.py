@@ -22,13 +22,13 @@ import grpc
 import httpx
 import pytest
 import torch
-from serving_support import generate, greedy_request, live_group, metric, stub, wait_until
 
 from conftest import hf_greedy
 from pipeserve import LLM, SamplingParams
 from pipeserve.engine.plan import SamplingSpec
 from pipeserve.engine.sampler import Sampler, _filter
 from pipeserve.rpc import generation_pb2 as pb
+from serving_support import generate, greedy_request, live_group, metric, stub, wait_until
 
 DEATH_TEMPERATURES = [1e-40, 1e-38, 1e-300, 5e-324, 1e-6, 3.4e38, 1e300, 1.7976931348623157e308]
 POISON = 777  # a token id inside the demo vocabulary that the fault hook fails or crashes on

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from router_support import RouterHarness, ScriptedStage
-from serving_support import metric, wait_until
 
 from pipeserve.tokenizer import TokenizerAssets
+from router_support import RouterHarness, ScriptedStage
+from serving_support import metric, wait_until
 
 TEXT = "one two three four five six seven eight nine ten"
 

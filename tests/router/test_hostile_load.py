@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_support import UpProcess, running_up
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow
 
