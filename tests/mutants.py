@@ -399,6 +399,21 @@ MUTANTS = [
         "        raise",
         "tests/model/test_gguf.py -k refuses",
     ),
+    # --- HiCache (issue 11) ---
+    (
+        "an L3 page is used without its checksum checked",
+        "services/pipeserve/hicache/page.py",
+        "    if xxhash.xxh3_128_digest(payload) != digest:",
+        "    if False:",
+        "tests/hicache/test_page_store.py",
+    ),
+    (
+        "L3 presence counts a block that one stage lacks",
+        "services/pipeserve/hicache/redis_tier.py",
+        "            if not all(found[i * n : (i + 1) * n]):",
+        "            if not any(found[i * n : (i + 1) * n]):",
+        "tests/hicache/test_page_store.py -k all_or_nothing",
+    ),
     # --- structure --------------------------------------------------------------------------
     (
         "the engine builds its own ring executor (engine imports ring/)",

@@ -1,0 +1,119 @@
+"""RedisTier: L3, the pages of every group of one model in Redis (or a Redis Cluster).
+
+Contract (DESIGN §5: only stage 0 decides):
+- `present(layouts, hashes)` is stage 0's question "how many leading blocks of
+  this chain does L3 hold for *every* stage?", answered in one round trip
+  (a pipeline of EXISTS; on a cluster every stage's page of a block shares a
+  slot, see page.py). A block counts only if every stage's page exists, and a
+  prefix only up to its first missing block.
+- `store(layout, block_hash, page, tokens)` writes one stage's page (SET, with
+  the optional TTL). `load(layout, hashes)` reads one stage's pages and checks
+  each (format, layout, checksum); a missing or bad page is reported, never
+  used — the caller reports the load failed and stage 0 recomputes.
+- Every call has a deadline (`timeout_s` on the socket); a Redis that is down,
+  slow or full raises TierUnavailable, which callers treat as a miss. Redis
+  evicting keys (allkeys-lru) can only cause misses.
+
+The connection is a redis-py pool (`Redis.from_url`: redis://, rediss://,
+unix://); a server in cluster mode is detected at connect time and used
+through `RedisCluster` with the same calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import redis
+import torch
+from redis.cluster import RedisCluster
+
+from pipeserve.hicache.page import PageError, PageLayout, decode_page, encode_page
+
+
+class TierUnavailable(RuntimeError):
+    """Redis did not answer in time or refused the call; the caller counts it as a miss."""
+
+
+@dataclass
+class LoadResult:
+    """One stage's pages of a chain of blocks: `pages[i]` is block i's tensor, or None when its page
+    was missing or bad (`errors[i]` says why: "missing", "format", "layout" or "checksum")."""
+
+    pages: list[torch.Tensor | None]
+    tokens: list[int]
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class RedisTier:
+    def __init__(self, url: str, timeout_s: float = 0.5, ttl_s: int | None = None) -> None:
+        if ttl_s is not None and ttl_s < 1:
+            raise ValueError(f"ttl_s: must be >= 1 or None (got {ttl_s})")
+        self.url = url
+        self.ttl_s = ttl_s
+        opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        single = redis.Redis.from_url(url, **opts)
+        self.client: redis.Redis | RedisCluster = single
+        try:
+            cluster = single.info("cluster").get("cluster_enabled") == 1
+        except redis.RedisError:
+            cluster = False  # not reachable now: a single server until it answers; each call says
+        if cluster:
+            single.close()
+            self.client = RedisCluster.from_url(url, **opts)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def present(self, layouts: list[PageLayout], hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` have a page for every stage's layout."""
+        if not hashes:
+            return 0
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                for layout in layouts:
+                    pipe.exists(layout.key(h))
+            found = pipe.execute()
+        except redis.RedisError as e:
+            raise TierUnavailable(f"present: {type(e).__name__}: {e}") from None
+        n = len(layouts)
+        for i in range(len(hashes)):
+            if not all(found[i * n : (i + 1) * n]):
+                return i
+        return len(hashes)
+
+    def store(self, layout: PageLayout, block_hash: int, page: torch.Tensor, tokens: int) -> int:
+        """Write one stage's page of one block; returns the bytes written."""
+        value = encode_page(layout, page, tokens)
+        try:
+            self.client.set(layout.key(block_hash), value, ex=self.ttl_s)
+        except redis.RedisError as e:
+            raise TierUnavailable(f"store: {type(e).__name__}: {e}") from None
+        return len(value)
+
+    def load(self, layout: PageLayout, hashes: list[int]) -> LoadResult:
+        """One stage's pages of `hashes`, each checked; see LoadResult."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.get(layout.key(h))
+            values = pipe.execute()
+        except redis.RedisError as e:
+            raise TierUnavailable(f"load: {type(e).__name__}: {e}") from None
+        result = LoadResult([], [])
+        for i, value in enumerate(values):
+            page, tokens = None, 0
+            if value is None:
+                result.errors[i] = "missing"
+            else:
+                try:
+                    page, tokens = decode_page(layout, value)
+                except PageError as e:
+                    result.errors[i] = e.kind
+            result.pages.append(page)
+            result.tokens.append(tokens)
+        return result
