@@ -51,7 +51,9 @@ class LocalRedis:
         ]
         self.argv += ["--dir", str(self.dir), "--protected-mode", "no"]
         if cluster:
+            # The cluster bus defaults to port + 10000, beyond 65535 for most free ports: name a free one.
             self.argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            self.argv += ["--cluster-port", str(_free_port())]
         if maxmemory_mb is not None:
             self.argv += ["--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
         self.proc: subprocess.Popen | None = None
