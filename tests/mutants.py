@@ -414,6 +414,13 @@ MUTANTS = [
         "            if not any(found[i * n : (i + 1) * n]):",
         "tests/hicache/test_page_store.py -k all_or_nothing",
     ),
+    (
+        "the L3 writer blocks the stage when its queue is full",
+        "services/pipeserve/hicache/writer.py",
+        '            self._queue.put_nowait((block_hash, page.detach().to("cpu", copy=True), tokens))',
+        '            self._queue.put((block_hash, page.detach().to("cpu", copy=True), tokens))',
+        "tests/hicache/test_writer.py -k full",
+    ),
     # --- structure --------------------------------------------------------------------------
     (
         "the engine builds its own ring executor (engine imports ring/)",
