@@ -10,7 +10,6 @@ directory), for `cluster_create` to join several into a Redis Cluster.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,13 +17,8 @@ from pathlib import Path
 
 import redis
 
+from pipeserve.care.launcher import free_port
 from pipeserve.errors import ConfigError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalRedis:
@@ -36,7 +30,7 @@ class LocalRedis:
             raise ConfigError(
                 "hicache_url: 'local' needs redis-server (Debian: apt-get install redis-server)"
             )
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="pipeserve-redis-"))
         self.argv = [
             binary,
@@ -53,7 +47,7 @@ class LocalRedis:
         if cluster:
             # The cluster bus defaults to port + 10000, beyond 65535 for most free ports: name a free one.
             self.argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            self.argv += ["--cluster-port", str(_free_port())]
+            self.argv += ["--cluster-port", str(free_port())]
         if maxmemory_mb is not None:
             self.argv += ["--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
         self.proc: subprocess.Popen | None = None

@@ -20,6 +20,7 @@ PageError naming what differed (the reader counts it and recomputes).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -68,10 +69,7 @@ class PageLayout:
 
     @property
     def payload_bytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def tag(self) -> str:

@@ -49,10 +49,6 @@ class PageWriter:
         self._thread = threading.Thread(target=self._run, name=f"l3-writer-{layout.stage}", daemon=True)
         self._thread.start()
 
-    @property
-    def depth(self) -> int:
-        return self._queue.qsize()
-
     def submit(self, block_hash: int, page: torch.Tensor, tokens: int) -> bool:
         """Queue one page ([layers, 2, block_size, kv_heads, head_dim]); False if dropped."""
         if self._closed:

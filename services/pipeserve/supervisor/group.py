@@ -16,20 +16,13 @@ import dataclasses
 import enum
 import logging
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 
-from pipeserve.care.launcher import LocalGroup
+from pipeserve.care.launcher import LocalGroup, free_port
 from pipeserve.config import EngineConfig, StageServeConfig, config_argv
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SlotState(enum.Enum):
