@@ -73,6 +73,27 @@ class EngineConfig:
     heartbeat_s: float = 1.0  # an idle stage 0 sends a heartbeat round the ring this often
     connect_timeout_s: float = 300.0  # deadline for the group to form (all stages loaded and joined)
     log_dir: str | None = None  # local launcher: stage k logs to log_dir/stage-k.log
+    # --- HiCache (DESIGN.md section 5) ---
+    # L3, shared by every group of the model: redis://[:password@]host:port/db, rediss://, unix://path;
+    # 'local': a private redis-server on loopback, started by the launcher (pipeserve up's default when
+    # redis-server is installed); 'off' (or unset): no L3.
+    hicache_url: str | None = field(default=None, metadata={"env": "PIPESERVE_HICACHE_URL"})
+    # L2, host memory per stage: GiB; None: host_cache_memory_fraction of available RAM, split among the
+    # group's stages (they share one machine under pipeserve up); 0: no L2.
+    host_cache_gb: float | None = None
+    host_cache_memory_fraction: float = 0.1
+    # Deadline of an L3 load on each stage: base + per_block x blocks, capped at max.
+    hicache_load_base_ms: float = 200.0
+    hicache_load_per_block_ms: float = 10.0
+    hicache_load_max_ms: float = 10_000.0
+    hicache_timeout_s: float = 1.0  # socket deadline of every Redis call
+    hicache_ttl_s: int | None = None  # expiry of stored pages; None: kept until Redis evicts them
+    hicache_write_queue: int = 256  # pages a stage may have queued for L3; more are dropped (counted)
+
+    @property
+    def l3_url(self) -> str | None:
+        """The Redis URL stages connect to; None without L3 ('local' must be resolved by the launcher)."""
+        return None if self.hicache_url in (None, "", "off") else self.hicache_url
 
     def __post_init__(self) -> None:
         need = _checker(self)
@@ -106,6 +127,28 @@ class EngineConfig:
             "must be > 0 and under half of ring_timeout_s",
         )
         need(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+        need(
+            self.hicache_url in (None, "", "off", "local")
+            or self.hicache_url.startswith(("redis://", "rediss://", "unix://")),
+            "hicache_url",
+            "must be redis://, rediss://, unix://, 'local' or 'off'",
+        )
+        need(self.host_cache_gb is None or self.host_cache_gb >= 0, "host_cache_gb", "must be >= 0")
+        need(
+            0 < self.host_cache_memory_fraction <= 0.9,
+            "host_cache_memory_fraction",
+            "must be in (0, 0.9]",
+        )
+        need(self.hicache_load_base_ms >= 0, "hicache_load_base_ms", "must be >= 0")
+        need(self.hicache_load_per_block_ms >= 0, "hicache_load_per_block_ms", "must be >= 0")
+        need(
+            self.hicache_load_max_ms >= max(1.0, self.hicache_load_base_ms),
+            "hicache_load_max_ms",
+            "must be >= hicache_load_base_ms and >= 1",
+        )
+        need(self.hicache_timeout_s > 0, "hicache_timeout_s", "must be > 0")
+        need(self.hicache_ttl_s is None or self.hicache_ttl_s >= 1, "hicache_ttl_s", "must be >= 1")
+        need(self.hicache_write_queue >= 1, "hicache_write_queue", "must be >= 1")
 
     def split_ranges(self) -> list[tuple[int, int]] | None:
         return None if self.layer_split is None else parse_layer_split(self.layer_split)

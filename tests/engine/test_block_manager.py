@@ -27,10 +27,10 @@ def test_prefix_match_leaves_last_token_and_checks_tokens() -> None:
     bm = BlockManager(8, 4)
     r = _req("r", list(range(12)))
     _fill(bm, r)
-    assert bm.match_prefix(list(range(12))) == r.block_ids[:2]  # not the block with the last token
-    assert bm.match_prefix(list(range(13))) == r.block_ids[:3]
-    assert bm.match_prefix([0, 1, 2, 3, 99, 5, 6, 7, 8]) == r.block_ids[:1]
-    assert bm.match_prefix([7, 1, 2, 3, 4, 5, 6, 7, 8]) == []
+    assert bm.match_prefix(list(range(12)))[0] == r.block_ids[:2]  # not the block with the last token
+    assert bm.match_prefix(list(range(13)))[0] == r.block_ids[:3]
+    assert bm.match_prefix([0, 1, 2, 3, 99, 5, 6, 7, 8])[0] == r.block_ids[:1]
+    assert bm.match_prefix([7, 1, 2, 3, 4, 5, 6, 7, 8])[0] == []
 
 
 def test_release_returns_blocks_and_lru_evicts_oldest_first() -> None:
@@ -44,8 +44,8 @@ def test_release_returns_blocks_and_lru_evicts_oldest_first() -> None:
     assert bm.num_free == 6
     # a's blocks were freed first, so they are evicted first, tail block before prefix blocks.
     assert bm.allocate(2) == [2, 1]
-    assert bm.match_prefix([1, 2, 3, 4, 5]) == [0]  # block 1 ([3, 4]) evicted, block 0 kept
-    assert bm.match_prefix([7, 8, 9, 10, 11]) == [3, 4]
+    assert bm.match_prefix([1, 2, 3, 4, 5])[0] == [0]  # block 1 ([3, 4]) evicted, block 0 kept
+    assert bm.match_prefix([7, 8, 9, 10, 11])[0] == [3, 4]
     assert bm.stats.evictions == 1  # block 2 held no full-block hash
 
 
@@ -53,7 +53,7 @@ def test_shared_blocks_are_refcounted() -> None:
     bm = BlockManager(6, 2)
     a = _req("a", [1, 2, 3, 4, 5])
     _fill(bm, a)
-    hits = bm.match_prefix([1, 2, 3, 4, 9])
+    hits = bm.match_prefix([1, 2, 3, 4, 9])[0]
     bm.take_cached(hits)
     b = _req("b", [1, 2, 3, 4, 9])
     b.block_ids = hits + bm.allocate(1)
@@ -69,6 +69,6 @@ def test_taking_a_free_cached_block_counts_against_capacity() -> None:
     a = _req("a", [1, 2, 3, 4, 5])
     _fill(bm, a)
     bm.release(a)
-    hits = bm.match_prefix([1, 2, 3, 4, 6])
+    hits = bm.match_prefix([1, 2, 3, 4, 6])[0]
     assert len(hits) == 2
     assert bm.can_allocate(1, hits) and not bm.can_allocate(2, hits)

@@ -13,7 +13,7 @@ import redis
 import torch
 from redis.cluster import key_slot
 
-from pipeserve.hicache.local_redis import LocalRedis, cluster_create
+from pipeserve.care.local_redis import LocalRedis, cluster_create
 from pipeserve.hicache.page import HEADER_BYTES, PageError, PageLayout, decode_page, encode_page
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
 

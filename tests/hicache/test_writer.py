@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from pipeserve.hicache.local_redis import LocalRedis
+from pipeserve.care.local_redis import LocalRedis
 from pipeserve.hicache.page import HEADER_BYTES, PageLayout
 from pipeserve.hicache.redis_tier import RedisTier
 from pipeserve.hicache.writer import PageWriter

@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pipeserve.care.wedge import WedgeDetector
@@ -34,13 +34,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Metric:
-    """One metric read at scrape time: a single value, or `values` keyed by the `label`'s values."""
+    """One metric read at scrape time: a single value, or `values` keyed by the `label`'s values,
+    or (kind "histogram") a Histogram's cumulative `buckets` and `value` as its sum."""
 
-    kind: str  # "gauge" or "counter"
+    kind: str  # "gauge", "counter" or "histogram"
     help: str
     value: float = 0.0
     label: str = ""
     values: dict[str, float] = field(default_factory=dict)
+    buckets: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,7 +72,7 @@ class _StageCollector(Collector):
     def __init__(self, status: StageStatus) -> None:
         self.status = status
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         s = self.status
         labels = ["rank"]
         rank = [str(s.rank)]
@@ -83,6 +85,11 @@ class _StageCollector(Collector):
             yield g
         for source in s.sources:
             for name, m in source().items():
+                if m.kind == "histogram":
+                    h = HistogramMetricFamily(name, m.help, labels=labels)
+                    h.add_metric(rank, m.buckets, m.value)
+                    yield h
+                    continue
                 family = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
                 if m.label:
                     fam = family(name, m.help, labels=[*labels, m.label])

@@ -18,8 +18,10 @@ from collections import deque
 from pipeserve.config import EngineConfig
 from pipeserve.engine.block_manager import BlockManager
 from pipeserve.engine.executor import Executor
+from pipeserve.engine.host_index import HostIndex
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StageReport, StepPlan
+from pipeserve.engine.prefix_loads import L3Directory
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import ResultMismatch, Scheduler
 from pipeserve.errors import GroupStopped, InvalidRequestError
@@ -37,14 +39,22 @@ class LLMEngine:
         max_model_len: int,
         runner: ModelRunner,
         executor: Executor,
+        host_slots: int = 0,
+        l3: L3Directory | None = None,
     ) -> None:
-        """`runner` is stage 0's own (its busy meter); `executor` gets plans executed (ring formed)."""
+        """`runner` is stage 0's own (its busy meter); `executor` gets plans executed (ring formed).
+        HiCache: `host_slots` L2 slots on every stage (0: no L2), `l3` stage 0's view of L3 (None: no L3)."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.runner = runner
         self.executor = executor
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            HostIndex(host_slots) if host_slots else None,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -52,6 +62,8 @@ class LLMEngine:
             self.max_model_len,
             self.model_config.eos_token_ids,
             self.executor.max_inflight,
+            config.stages,
+            l3,
         )
         self._ids = itertools.count()
         self._inflight: deque[StepPlan] = deque()
@@ -101,6 +113,7 @@ class LLMEngine:
                     self.executor.submit(plan)
                     self._inflight.append(plan)
             if not self._inflight:
+                self.scheduler.wait_for_tiers()
                 return []
             output = self.executor.collect()
             with self.runner.meter.measure():
@@ -128,6 +141,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executors (the stage processes exit cleanly); idempotent."""
         self.executor.close()
+        if self.scheduler.fetch.l3 is not None:
+            self.scheduler.fetch.l3.close()
+        if self.runner.tiers is not None:
+            self.runner.tiers.close()
 
     @property
     def num_inflight_plans(self) -> int:

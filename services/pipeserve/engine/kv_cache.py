@@ -56,6 +56,20 @@ def num_kv_blocks(
     return blocks
 
 
+def num_host_slots(config: EngineConfig, cfg: ModelConfig, num_layers: int) -> int:
+    """L2 slots of one stage: host_cache_gb, or host_cache_memory_fraction of available RAM split
+    among the group's stages (under `pipeserve up` they share one machine); 0 disables L2, as does
+    turning prefix caching off (L2 holds prefixes). The group agrees on the minimum."""
+    if not config.enable_prefix_caching or config.host_cache_gb == 0:
+        return 0
+    if config.host_cache_gb is not None:
+        budget = int(config.host_cache_gb * (1 << 30))
+    else:
+        ram = available_memory_bytes(torch.device("cpu"))
+        budget = int(ram * config.host_cache_memory_fraction / config.stages)
+    return max(0, budget // block_bytes(cfg, num_layers, config.block_size))
+
+
 def allocate_pool(
     cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, device: torch.device
 ) -> torch.Tensor:

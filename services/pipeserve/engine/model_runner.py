@@ -11,6 +11,10 @@ A failure attributable to one request (its sampling, or `request_check` — a
 test hook that fails or crashes on chosen requests) is not a mismatch: the
 stage still computes every row of the plan, and reports the request in its
 StageReport's `failed` list for stage 0 to finish with an error.
+
+HiCache's block moves (L2 copies, L3 loads and stores) run through `tiers`
+(hicache/stage_tiers.py), after the plan's tables are applied and before its
+chunks; their answers to L3 load orders go into the report.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from pipeserve.engine.plan import (
+    LoadAck,
     RequestFailure,
     SampledToken,
     SamplingSpec,
@@ -41,6 +47,21 @@ MIN_DECODE_GROUP = 8
 
 class PlanMismatch(RuntimeError):
     """The plan is inconsistent with this executor's state."""
+
+
+class CacheMoves(Protocol):
+    """A stage's HiCache tiers: apply a plan's block moves to the pool, answer its L3 loads."""
+
+    def execute(self, plan: StepPlan, pool: torch.Tensor) -> list[LoadAck]: ...
+
+    def close(self) -> None: ...
+
+
+def no_tiers(plan: StepPlan) -> list[LoadAck]:
+    """A stage without HiCache: L3 loads are answered "disabled"; an L2 move is a divergence."""
+    if plan.l2_saves or plan.l2_loads:
+        raise PlanMismatch(f"step {plan.step_id}: moves blocks through L2, but this stage has no L2 pool")
+    return [LoadAck(o.load_id, "disabled") for o in plan.l3_loads]
 
 
 @dataclass
@@ -109,6 +130,7 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None
         # Per-chunk check before execution: a reason to fail the chunk's request, or None (faults.py).
         self.request_check: Callable[[ScheduledChunk], str | None] | None = None
+        self.tiers: CacheMoves | None = None
 
     # --- plan -> state ------------------------------------------------------
     def apply(self, plan: StepPlan) -> int:
@@ -286,6 +308,7 @@ class ModelRunner:
         """
         with self.meter.measure():
             digest = self.apply(plan)
+            acks = self.tiers.execute(plan, self.kv_pool) if self.tiers is not None else no_tiers(plan)
             hidden = None
             sampled: list[SampledToken] = []
             failed = self._check_requests(plan)
@@ -296,9 +319,11 @@ class ModelRunner:
                     sampled, sample_failures = self.sample(step, hidden, {f.req_id for f in failed})
                     failed += sample_failures
                     hidden = None
-        return hidden, sampled, self.report(digest, failed)
+        return hidden, sampled, self.report(digest, failed, acks)
 
-    def report(self, digest: int, failed: list[RequestFailure] | None = None) -> StageReport:
+    def report(
+        self, digest: int, failed: list[RequestFailure] | None = None, acks: list[LoadAck] | None = None
+    ) -> StageReport:
         return StageReport(
             self.rank,
             digest,
@@ -307,6 +332,7 @@ class ModelRunner:
             self.meter.busy_s,
             self.meter.wall_s,
             failed or [],
+            acks or [],
         )
 
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -8,8 +8,13 @@ digest is computed over the encoded plan with `digest` zeroed, so every stage
 can recompute it from what it executed.
 
 Order an executor applies a plan in: `freed` (drop per-request state), then
-`new_requests`, then `chunks` (append `new_block_ids` to the request's block
-table, write the chunk's KV, sample if `sample_index >= 0`).
+`new_requests`, then the cache moves (HiCache, DESIGN.md section 5) — read
+`l3_stores` and `l2_saves` out of L1, write the saves into L2, copy
+`l2_loads` into L1, start the `l3_loads` and finish the ones that arrived —
+then `chunks` (append `new_block_ids` to the request's block table, write the
+chunk's KV, sample if `sample_index >= 0`). Reading every block out before
+writing any lets one plan evict a block and reuse it, or save into an L2 slot
+another request is loaded from.
 """
 
 from __future__ import annotations
@@ -47,11 +52,41 @@ class ScheduledChunk(msgspec.Struct, array_like=True, frozen=True):
     sample_index: int
 
 
+class BlockCopy(msgspec.Struct, array_like=True, frozen=True):
+    """An L1 block and an L2 slot (host memory): a save copies block -> slot, a load slot -> block."""
+
+    block_id: int
+    slot: int
+
+
+class PageStore(msgspec.Struct, array_like=True, frozen=True):
+    """Write this stage's page of a full, hashed L1 block to L3 (asynchronously, may be dropped)."""
+
+    block_id: int
+    block_hash: int
+
+
+class LoadOrder(msgspec.Struct, array_like=True, frozen=True):
+    """Load this stage's pages of `block_hashes` from L3 into the L1 blocks `block_ids` (stage 0
+    holds them for the load), within `deadline_ms` of receiving the order; answer with a LoadAck."""
+
+    load_id: int
+    block_ids: list[int]
+    block_hashes: list[int]
+    deadline_ms: int
+
+
 class StepPlan(msgspec.Struct, frozen=True):
     step_id: int
     freed: list[str]
     new_requests: list[NewRequest]
     chunks: list[ScheduledChunk]
+    l2_saves: list[BlockCopy] = []
+    l2_loads: list[BlockCopy] = []
+    l3_stores: list[PageStore] = []
+    l3_loads: list[LoadOrder] = []
+    # Nothing to compute, but L3 loads await acks: the plan carries the stages' answers back.
+    poll: bool = False
     digest: int = 0
 
     @property
@@ -59,7 +94,15 @@ class StepPlan(msgspec.Struct, frozen=True):
         return sum(len(c.token_ids) for c in self.chunks)
 
     def is_empty(self) -> bool:
-        return not (self.chunks or self.freed)
+        return not (
+            self.chunks
+            or self.freed
+            or self.l2_saves
+            or self.l2_loads
+            or self.l3_stores
+            or self.l3_loads
+            or self.poll
+        )
 
 
 class SampledToken(msgspec.Struct, array_like=True, frozen=True):
@@ -80,6 +123,14 @@ class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
     reason: str
 
 
+class LoadAck(msgspec.Struct, array_like=True, frozen=True):
+    """One stage's answer to a LoadOrder: "ok" (its pages are in the L1 blocks, in time) or why not:
+    "late", "missing", "checksum", "layout", "format", "unavailable" (Redis), "disabled" (no L3)."""
+
+    load_id: int
+    status: str
+
+
 class StageReport(msgspec.Struct, array_like=True, frozen=True):
     """What one stage says about a step it executed; travels along the ring to stage 0."""
 
@@ -90,6 +141,7 @@ class StageReport(msgspec.Struct, array_like=True, frozen=True):
     busy_s: float  # cumulative seconds spent executing plans
     wall_s: float  # seconds since the stage executed its first plan
     failed: list[RequestFailure] = []  # requests of this plan that failed on this stage
+    loads: list[LoadAck] = []  # L3 loads this stage finished (or gave up) since its last report
 
 
 class StepOutput(msgspec.Struct, frozen=True):

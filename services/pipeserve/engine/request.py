@@ -24,6 +24,17 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Fetch(enum.Enum):
+    """Where a waiting request stands with L3 (engine/prefix_loads.py)."""
+
+    NONE = "none"  # not asked yet
+    PROBING = "probing"  # stage 0 asked L3 which blocks it holds; not admitted meanwhile
+    PROBED = "probed"  # L3 holds blocks up to `l3_end`: the next admission orders the load
+    LOADING = "loading"  # the stages are loading; not admitted meanwhile
+    LOADED = "loaded"  # every stage loaded: `block_ids` hold the prefix, admitted from there
+    DONE = "done"  # nothing (more) to get from L3: admitted as usual
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, stop token or stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -46,6 +57,11 @@ class Request:
     num_scheduled: int = 0
     num_inflight: int = 0  # unfinished plans holding a chunk of this request
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the last admission
+    # ... of which from each tier: {"l1": tokens, "l2": tokens, "l3": tokens}
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    fetch: Fetch = Fetch.NONE
+    l3_end: int = 0  # PROBED: L3 holds this request's blocks up to (not including) this index
+    l3_blocks: int = 0  # LOADED: how many of the leading block_ids came from L3
     num_preemptions: int = 0
     # Executors hold this request in their tables (it was sent as a NewRequest
     # and not freed since). Preemption and finish clear it via plan.freed.

@@ -23,18 +23,27 @@ over the microbatches instead of making one of them heavy.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
-from pipeserve.engine.block_manager import BlockManager
+import msgspec
+
+from pipeserve.engine.block_manager import BlockManager, chain_hashes
 from pipeserve.engine.plan import (
+    BlockCopy,
+    LoadOrder,
     NewRequest,
+    PageStore,
     SamplingSpec,
     ScheduledChunk,
     StepOutput,
     StepPlan,
     seal,
 )
-from pipeserve.engine.request import FinishReason, Request, RequestStatus
+from pipeserve.engine.prefix_loads import L3Directory, PrefixFetch
+from pipeserve.engine.request import Fetch, FinishReason, Request, RequestStatus
+
+POLL_S = 0.001  # while L3 loads await answers and nothing else moves, one poll plan per this
 
 
 class ResultMismatch(RuntimeError):
@@ -64,8 +73,14 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         max_inflight: int = 1,
+        num_stages: int = 1,
+        l3: L3Directory | None = None,
     ) -> None:
         self.bm = block_manager
+        self.fetch = PrefixFetch(block_manager, num_stages, l3)
+        self._stores: list[PageStore] = []  # L3 write-through for the next plan
+        self._polls = 0  # poll plans in flight (at most one)
+        self._last_poll = 0.0
         self.max_inflight = max_inflight
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,14 +110,17 @@ class Scheduler:
         return list(self._freed)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._freed)
+        return bool(self.waiting or self.running or self._freed or self._stores or self.fetch.pending)
 
     # --- schedule -----------------------------------------------------------
     def schedule(self) -> StepPlan:
         budget = self._plan_budget()
         chunks: list[ScheduledChunk] = []
         new_reqs: list[NewRequest] = []
+        l2_loads: list[BlockCopy] = []
+        l3_loads: list[LoadOrder] = []
         preempted = False
+        self.fetch.take_probe_answers(self.requests)
 
         for req in list(self.running):
             if budget == 0:
@@ -126,21 +144,93 @@ class Scheduler:
             chunks.append(self._chunk(req, n, new_blocks))
             budget -= n
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        if not preempted:
+            self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
+
+        plan = StepPlan(
+            self._step_id + 1,
+            self._freed,
+            new_reqs,
+            chunks,
+            l2_saves=self.bm.take_plan_saves(),
+            l2_loads=l2_loads,
+            l3_stores=self._stores,
+            l3_loads=l3_loads,
+        )
+        now = time.monotonic()
+        if plan.is_empty() and self.fetch.pending and not self._polls and now - self._last_poll >= POLL_S:
+            plan = msgspec.structs.replace(plan, poll=True)  # carries the stages' load answers back
+        if plan.is_empty():
+            return plan  # not sent: step ids stay consecutive over the plans executors see
+        self._step_id += 1
+        self._freed = []
+        self._stores = []
+        self._polls += plan.poll
+        self._last_poll = now if plan.poll else self._last_poll
+        self._inflight_tokens += plan.num_tokens
+        return seal(plan)
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        chunks: list[ScheduledChunk],
+        new_reqs: list[NewRequest],
+        l2_loads: list[BlockCopy],
+        l3_loads: list[LoadOrder],
+    ) -> None:
+        """Admit waiting requests in arrival order, each after its longest prefix in L1, then L2;
+        a request L3 may hold more of is probed and loaded first (it waits, the others go on)."""
+        bs = self.bm.block_size
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
+            if req.fetch in (Fetch.PROBING, Fetch.LOADING):
+                i += 1
+                continue
             tokens = req.all_token_ids
-            hits = self.bm.match_prefix(tokens)
-            start = len(hits) * self.bm.block_size
+            l2: list[tuple[int, int]] = []
+            if req.fetch is Fetch.LOADED:
+                hits = req.block_ids  # held since the load was ordered
+            else:
+                hits, prev = self.bm.match_prefix(tokens)
+                l2 = self.bm.match_host(tokens, len(hits), prev)
+                k = len(hits) + len(l2)
+                if self.fetch.l3 is not None and req.fetch is Fetch.NONE:
+                    limit = self.bm.max_prefix_blocks(len(tokens))
+                    req.fetch = Fetch.DONE
+                    if k < limit:
+                        self.fetch.l3.probe(
+                            req.req_id, chain_hashes(tokens, bs, k, limit, l2[-1][1] if l2 else prev)
+                        )
+                        self.fetch.stats.probes += 1
+                        req.fetch, req.l3_end = Fetch.PROBING, k
+                        i += 1
+                        continue
+                if req.fetch is Fetch.PROBED:
+                    req.fetch = Fetch.DONE
+                    if k < req.l3_end:
+                        if not self.fetch.order_load(req, hits, l2, prev, l2_loads, l3_loads):
+                            return  # no room: later requests wait too (arrival order)
+                        i += 1
+                        continue
+            start = (len(hits) + len(l2)) * bs
             n = min(len(tokens) - start, budget)
+            held = req.fetch is Fetch.LOADED
             need = self.bm.blocks_needed(start + n) - len(hits)
-            if not self.bm.can_allocate(need, hits):
-                break
-            self.waiting.popleft()
+            if not self.bm.can_allocate(need, () if held else hits):
+                return
+            del self.waiting[i]
+            if not held:
+                self.bm.take_cached(hits)
+            new = self.bm.allocate(need)
+            self.fetch.load_from_host(tokens, len(hits), new, l2, l2_loads)
+            req.block_ids = list(hits) + new
             self.bm.record_query(len(tokens), start)
-            self.bm.take_cached(hits)
-            req.block_ids = hits + self.bm.allocate(need)
-            req.num_computed = req.num_scheduled = start
-            req.num_cached_prompt_tokens = start
+            l3_tokens = req.l3_blocks * bs if held else 0
+            l2_tokens = req.cached_by_tier.get("l2", 0) if held else len(l2) * bs
+            req.cached_by_tier = {"l1": start - l2_tokens - l3_tokens, "l2": l2_tokens, "l3": l3_tokens}
+            self.fetch.stats.hit_tokens.update(req.cached_by_tier)
+            req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             new_reqs.append(NewRequest(req.req_id, sampling_spec(req)))
@@ -148,13 +238,12 @@ class Scheduler:
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n
 
-        plan = StepPlan(self._step_id + 1, self._freed, new_reqs, chunks)
-        if plan.is_empty():
-            return plan  # not sent: step ids stay consecutive over the plans executors see
-        self._step_id += 1
-        self._freed = []
-        self._inflight_tokens += plan.num_tokens
-        return seal(plan)
+    def wait_for_tiers(self) -> None:
+        """Nothing to send and nothing in flight: wait briefly for a probe answer or a poll's turn."""
+        if self.fetch.l3 is not None and (
+            self.fetch.pending or any(r.fetch is Fetch.PROBING for r in self.waiting)
+        ):
+            self.fetch.l3.wait(POLL_S)
 
     def _plan_budget(self) -> int:
         """Tokens for the next plan: the full budget with one stage; in a pipeline,
@@ -199,6 +288,7 @@ class Scheduler:
         self.bm.release(req)
         req.num_computed = req.num_scheduled = 0
         req.status = RequestStatus.WAITING
+        req.fetch, req.l3_blocks, req.cached_by_tier = Fetch.NONE, 0, {}  # L3 may hold its prefix now
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._drop_from_executors(req)
@@ -215,6 +305,13 @@ class Scheduler:
         failed = {f.req_id: f.reason for r in output.reports for f in r.failed}
         finished: list[Request] = []
         self._inflight_tokens -= plan.num_tokens
+        self._polls -= plan.poll
+        for report in output.reports:
+            for ack in report.loads:
+                try:
+                    self.fetch.on_ack(report.rank, ack)
+                except ValueError as e:
+                    raise ResultMismatch(f"step {plan.step_id}: {e}") from None
         for chunk in plan.chunks:
             req = self.requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -226,7 +323,11 @@ class Scheduler:
                 finished.append(req)
                 continue
             req.num_computed += len(chunk.token_ids)
-            self.bm.commit_full_blocks(req)
+            for bid, h in self.bm.commit_full_blocks(req):
+                if self.fetch.l3 is not None and not self.fetch.is_known(h):
+                    self._stores.append(PageStore(bid, h))  # write-through, with the next plan
+                    self.fetch.note_known([h])
+                    self.fetch.stats.stores += 1
             if chunk.sample_index < 0:
                 continue
             tok = sampled.get(req.req_id)

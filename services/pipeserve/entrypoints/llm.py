@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Self, cast
 
 from pipeserve.care.launcher import LocalGroup, local_group_config
+from pipeserve.care.local_redis import LocalRedis
 from pipeserve.config import EngineConfig
 from pipeserve.detokenize import TextStream
 from pipeserve.engine.engine import LLMEngine
@@ -50,6 +51,10 @@ class LLM:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
         config = EngineConfig(model=model, stages=stages, **engine_args)
         self.group: LocalGroup | None = None
+        self.redis: LocalRedis | None = None
+        if config.hicache_url == "local":  # a private redis-server for this LLM's L3
+            self.redis = LocalRedis().start()
+            config = dataclasses.replace(config, hicache_url=self.redis.url)
         if stages == 1:
             self.engine = build_engine(config)
         else:
@@ -63,7 +68,7 @@ class LLM:
             except BaseException:
                 self.group.stop(grace_s=2.0)
                 raise
-        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group)
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group, self.redis)
         has_tokenizer = (Path(model) / "tokenizer.json").is_file()
         self.tok: TokenizerAssets | None = TokenizerAssets.load(model) if has_tokenizer else None
 
@@ -190,9 +195,11 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(cast(Sequence[Prompt], prompts))
 
 
-def _shutdown(engine: LLMEngine, group: LocalGroup | None) -> None:
+def _shutdown(engine: LLMEngine, group: LocalGroup | None, redis: LocalRedis | None) -> None:
     try:
         engine.shutdown()
     finally:
         if group is not None:
             group.stop()
+        if redis is not None:
+            redis.stop()

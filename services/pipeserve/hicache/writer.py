@@ -61,6 +61,10 @@ class PageWriter:
         self.stats.queued += 1
         return True
 
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
     def close(self, timeout_s: float = 5.0) -> int:
         """Stop taking pages; write what is queued within `timeout_s`; the pages left unwritten."""
         self._closed = True

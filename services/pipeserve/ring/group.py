@@ -120,6 +120,8 @@ class StageIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str
     kv_blocks: int
     gpu: str  # UUID of the stage's GPU; '' on CPU
+    host_slots: int  # L2 slots this stage can hold (the group takes the minimum)
+    l3: bool  # whether this stage has an L3 URL (HiCache): every stage or none
 
 
 _MUST_MATCH = (
@@ -128,6 +130,7 @@ _MUST_MATCH = (
     ("block_size", "block size"),
     ("max_model_len", "max_model_len"),
     ("dtype", "dtype"),
+    ("l3", "L3 (hicache_url) on or off"),
 )
 
 
@@ -162,6 +165,11 @@ def agree(pg: CommGroup, mine: StageIdentity, world_size: int, timeout_s: float)
             [i.kv_blocks for i in ids],
         )
     return ids
+
+
+def group_host_slots(ids: list[StageIdentity]) -> int:
+    """L2 has the same slot count on every stage: stage 0 picks slots for all of them."""
+    return min(i.host_slots for i in ids)
 
 
 def group_blocks(ids: list[StageIdentity]) -> int:

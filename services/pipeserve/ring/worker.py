@@ -14,9 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from pipeserve.config import EngineConfig
-from pipeserve.engine.kv_cache import allocate_pool, num_kv_blocks
+from pipeserve.engine.kv_cache import allocate_pool, num_host_slots, num_kv_blocks
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.errors import ConfigError
+from pipeserve.hicache.assemble import build_stage_tiers, l3_fingerprint, page_layouts
+from pipeserve.hicache.page import PageLayout
+from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader import balanced_layer_split, load_stage_model, model_fingerprint
 from pipeserve.model.stage_model import StageSpec
@@ -27,6 +30,7 @@ from pipeserve.ring.group import (
     activation_group,
     agree,
     group_blocks,
+    group_host_slots,
     join,
 )
 from pipeserve.ring.transport import RingLink
@@ -75,6 +79,12 @@ class Stage:
     runner: ModelRunner
     link: RingLink | None  # None when the group has one stage
     faults: Faults
+    layouts: list[PageLayout]  # every stage's L3 page layout, rank order
+    tiers: StageTiers | None  # this stage's L2 pool and L3 loader/writer (HiCache)
+
+    @property
+    def host_slots(self) -> int:
+        return 0 if self.tiers is None else self.tiers.host_slots
 
     @property
     def num_blocks(self) -> int:
@@ -95,21 +105,26 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     device = stage_device(config, rank)
     model = load_stage_model(config.model, cfg, spec, max_len, device)
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
+    host_slots = num_host_slots(config, cfg, spec.num_layers)
+    fingerprint = model_fingerprint(config.model, cfg.dtype)
     link = None
     if rdzv is not None and config.stages > 1:
         meta_pg, store = join(rdzv, config.connect_timeout_s)
         identity = StageIdentity(
             rank,
-            model_fingerprint(config.model, cfg.dtype),
+            fingerprint,
             ",".join(f"{lo}:{hi}" for lo, hi in split),
             config.block_size,
             max_len,
             str(cfg.dtype).removeprefix("torch."),
             blocks,
             str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "",
+            host_slots,
+            config.l3_url is not None,
         )
         ids = agree(meta_pg, identity, config.stages, config.connect_timeout_s)
         blocks = group_blocks(ids)
+        host_slots = group_host_slots(ids)
         gpus = [i.gpu for i in ids]
         data_pg = activation_group(rdzv, store, meta_pg, gpus, config.connect_timeout_s)
         link = RingLink(
@@ -118,8 +133,14 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device)
     runner = ModelRunner(model, pool, config.block_size, config.seed, rank)
     runner.request_check = faults.request_check(rank)
+    layouts = page_layouts(
+        l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size
+    )
+    tiers = build_stage_tiers(config, layouts[rank], host_slots, device)
+    runner.tiers = tiers
     log.info(
-        "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens",
+        "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens, "
+        "L2 %d slots, L3 %s",
         rank,
         config.stages,
         spec.layer_lo,
@@ -127,5 +148,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         cfg.num_layers,
         blocks,
         config.block_size,
+        host_slots,
+        "on" if config.l3_url else "off",
     )
-    return Stage(config, cfg, max_len, spec, runner, link, faults)
+    return Stage(config, cfg, max_len, spec, runner, link, faults, layouts, tiers)

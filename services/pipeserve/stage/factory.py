@@ -12,6 +12,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.executor import Executor, LocalExecutor
 from pipeserve.errors import ConfigError
+from pipeserve.hicache.assemble import build_directory
 from pipeserve.ring.group import Rendezvous
 from pipeserve.ring.leader import PipelineExecutor
 from pipeserve.ring.worker import build_stage
@@ -28,4 +29,12 @@ def build_engine(config: EngineConfig, rendezvous: Rendezvous | None = None) -> 
         ring = PipelineExecutor(stage)
         ring.form_ring()
         executor = ring
-    return LLMEngine(config, stage.model_config, stage.max_model_len, stage.runner, executor)
+    return LLMEngine(
+        config,
+        stage.model_config,
+        stage.max_model_len,
+        stage.runner,
+        executor,
+        host_slots=stage.host_slots,
+        l3=build_directory(config, stage.layouts),
+    )

@@ -33,6 +33,7 @@ from pipeserve.lifecycle import Phase
 from pipeserve.ring.follower import Follower
 from pipeserve.ring.group import Rendezvous
 from pipeserve.ring.worker import build_stage
+from pipeserve.stage.cache_metrics import stage_tier_metrics
 from pipeserve.stage.server import serve_leader
 
 log = logging.getLogger("pipeserve.stage")
@@ -76,11 +77,14 @@ def _serve(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> i
     status.sources.append(
         lambda: {"pipeserve_stage_busy_seconds": Metric("counter", "seconds spent computing", meter.busy_s)}
     )
+    status.sources.append(lambda: stage_tier_metrics(stage.tiers))
     follower.on_frame = detector.beat
     follower.on_ready = lambda: setattr(status, "phase", Phase.READY)
     detector.start()
     code = follower.run()
     status.phase = Phase.STOPPED
+    if stage.tiers is not None:
+        stage.tiers.close()  # pages still queued for L3 get a bounded chance to be written
     return code
 
 

@@ -44,12 +44,14 @@ from pipeserve.care.health import Metric, StageStatus
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import ExitCode, InvalidRequestError
+from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.lifecycle import Phase
 from pipeserve.ring.group import Rendezvous
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.rpc.convert import sampling_from_proto
 from pipeserve.rpc.metadata import ADMITTED_KEY
+from pipeserve.stage.cache_metrics import leader_tier_metrics, stage_tier_metrics
 from pipeserve.stage.engine_loop import (
     Delta,
     DuplicateRequest,
@@ -227,6 +229,9 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
         loop.phase is Phase.READY
     )  # a group stop is not-ready at once, here and in Health
     status.sources.append(lambda: engine_metrics(loop))
+    status.sources.append(lambda: leader_tier_metrics(engine))
+    tiers = engine.runner.tiers
+    status.sources.append(lambda: stage_tier_metrics(tiers if isinstance(tiers, StageTiers) else None))
     loop.on_progress = detector.beat
     loop.start()
     detector.start()

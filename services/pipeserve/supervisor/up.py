@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 
@@ -32,6 +33,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from pipeserve.care.launcher import local_group_config
+from pipeserve.care.local_redis import LocalRedis
 from pipeserve.config import (
     EngineConfig,
     RouterConfig,
@@ -94,6 +96,11 @@ def build_configs(args: argparse.Namespace) -> UpConfigs:
     name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     engine = config_from_args(EngineConfig, args, model=model, stages=args.stages)
     engine = dataclasses.replace(engine, log_dir=args.log_dir)
+    if engine.hicache_url is None:  # one machine: a private Redis for L3 when one can be started
+        local = shutil.which("redis-server") is not None
+        if not local:
+            log.info("L3 off: redis-server is not installed (--hicache-url URL|local|off)")
+        engine = dataclasses.replace(engine, hicache_url="local" if local else "off")
     # The machine is shared by every stage of every group.
     engine = local_group_config(engine, processes=args.stages * args.replicas)
     serve = config_from_args(
@@ -107,12 +114,40 @@ def build_configs(args: argparse.Namespace) -> UpConfigs:
 
 
 async def serve_up(configs: UpConfigs) -> int:
-    engine, serve, router = configs.engine, configs.serve, configs.router
+    engine = configs.engine
+
+    registry = CollectorRegistry()
+    redis = None
+    if engine.hicache_url == "local":  # L3 on a private redis-server, kept running below
+        redis = await asyncio.to_thread(LocalRedis().start)
+        engine = dataclasses.replace(engine, hicache_url=redis.url)
+        log.info("L3: private redis-server at %s", redis.url)
+    try:
+        return await _serve_groups(configs, engine, registry, redis)
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+async def _watch_redis(redis: LocalRedis) -> None:
+    """Supervise the private Redis: start it again on its port if it exits (L3 only misses meanwhile)."""
+    while True:
+        await asyncio.sleep(1.0)
+        try:
+            if await asyncio.to_thread(redis.ensure_running):
+                log.warning("L3: private redis-server had exited; started again at %s", redis.url)
+        except (RuntimeError, OSError) as e:
+            log.error("L3: cannot restart the private redis-server: %s", e)
+
+
+async def _serve_groups(
+    configs: UpConfigs, engine: EngineConfig, registry: CollectorRegistry, redis: LocalRedis | None
+) -> int:
+    serve, router = configs.serve, configs.router
     from pipeserve.router.app import build_app
     from pipeserve.router.replicas import ReplicaSet
     from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
-    registry = CollectorRegistry()
     slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(configs.replicas)]
     targets = {s.name: s.grpc_target for s in slots}
     replica_set = ReplicaSet(router, targets, registry)
@@ -168,9 +203,12 @@ async def serve_up(configs: UpConfigs) -> int:
 
     ready = asyncio.create_task(announce())
     fatal = asyncio.create_task(give_up())
+    keeper = asyncio.create_task(_watch_redis(redis)) if redis is not None else None
     await http  # returns after a signal, once in-flight HTTP responses are done (or the drain expired)
     ready.cancel()
     fatal.cancel()
+    if keeper is not None:
+        keeper.cancel()
     await replica_set.close()
     drain = 0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s
     # Bounded: the drain, then each slot's kill grace (stages run in parallel), then a margin.

@@ -9,7 +9,9 @@ directory), for `cluster_create` to join several into a Redis Cluster.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -57,7 +59,9 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         try:
@@ -76,6 +80,13 @@ class LocalRedis:
         finally:
             client.close()
 
+    def ensure_running(self) -> bool:
+        """Start it again on the same port if it exited (the supervisor's check); True if it had to."""
+        if self.proc is None or self.proc.poll() is None:
+            return False
+        self.start()
+        return True
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -91,6 +102,14 @@ class LocalRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (no orphan Redis)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 def cluster_create(nodes: list[LocalRedis], timeout_s: float = 30.0) -> None:

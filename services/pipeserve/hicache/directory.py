@@ -1,0 +1,114 @@
+"""RedisDirectory: stage 0's presence queries to L3 (engine/prefix_loads.py's L3Directory).
+
+The engine thread never waits on Redis: `probe` queues the question, a
+daemon thread asks Redis (one pipelined round trip for every stage's page of
+every block, RedisTier.present) and leaves the answer for `answers()`.
+
+Redis down, slow or refusing: the probe is answered 0 (a miss), the state
+change is logged once, and Redis is left alone for a backoff (doubling from
+`backoff_s` up to `backoff_max_s`); the next probe after it tries again, and
+redis-py reconnects by itself. L3 may only ever cost misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from pipeserve.hicache.page import PageLayout
+from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadDeadline:
+    """Time a stage gets to load n pages: base + per_block x n, capped (a flat timeout misprices
+    long prefixes: too short for them, or far too long for short ones)."""
+
+    base_ms: float = 200.0
+    per_block_ms: float = 10.0
+    max_ms: float = 10_000.0
+
+    def __call__(self, blocks: int) -> int:
+        return int(min(self.max_ms, self.base_ms + self.per_block_ms * blocks))
+
+
+class RedisDirectory:
+    def __init__(
+        self,
+        tier: RedisTier,
+        layouts: list[PageLayout],
+        deadline: LoadDeadline,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        self.tier = tier
+        self.layouts = layouts
+        self.deadline = deadline
+        self.available = True
+        self.errors = 0
+        self._backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
+        self._delay = backoff_s
+        self._retry_at = 0.0
+        self._questions: queue.SimpleQueue[tuple[str, list[int]] | None] = queue.SimpleQueue()
+        self._answers: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="l3-directory", daemon=True)
+        self._thread.start()
+
+    # --- L3Directory (the engine thread) ---------------------------------------
+    def probe(self, req_id: str, hashes: list[int]) -> None:
+        self._questions.put((req_id, hashes))
+
+    def answers(self) -> list[tuple[str, int]]:
+        with self._lock:
+            out, self._answers = self._answers, []
+            self._ready.clear()
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        self._ready.wait(timeout_s)
+
+    def deadline_ms(self, blocks: int) -> int:
+        return self.deadline(blocks)
+
+    def close(self) -> None:
+        self._questions.put(None)
+        self._thread.join(2.0)
+        self.tier.close()
+
+    # --- the thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while (q := self._questions.get()) is not None:
+            req_id, hashes = q
+            found = self._present(hashes)
+            with self._lock:
+                self._answers.append((req_id, found))
+                self._ready.set()
+
+    def _present(self, hashes: list[int]) -> int:
+        now = time.monotonic()
+        if not self.available and now < self._retry_at:
+            return 0
+        try:
+            found = self.tier.present(self.layouts, hashes)
+        except TierUnavailable as e:
+            self.errors += 1
+            if self.available:
+                log.warning("L3 unavailable (serving on L1/L2; retrying with backoff): %s", e)
+            else:
+                self._delay = min(self._delay * 2, self._backoff_max_s)
+            self.available = False
+            self._retry_at = now + self._delay
+            return 0
+        if not self.available:
+            log.info("L3 available again at %s", self.tier.url)
+            self.available = True
+            self._delay = self._backoff_s
+        return found
