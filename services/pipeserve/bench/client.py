@@ -104,6 +104,11 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
         if usage := chunk.get("usage"):
             usage_tokens = usage.get("completion_tokens", usage_tokens)
             result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                result.cached_tokens = int(details["cached_tokens"])
+        for choice in chunk.get("choices") or []:
+            result.token_ids += choice.get("token_ids") or []
         if n := _chunk_tokens(chunk):
             now = time.perf_counter()
             if counted == 0:
@@ -129,14 +134,17 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
 
 
 async def send_request(
-    client: httpx.AsyncClient, model: str, req: BenchRequest, timeout_s: float
+    client: httpx.AsyncClient, model: str, req: BenchRequest, timeout_s: float, extra: dict | None = None
 ) -> RequestResult:
+    """One streamed completion; `extra` adds fields to the body (e.g. return_token_ids)."""
     result = RequestResult(prompt_len=req.prompt_len)
     start = time.perf_counter()
     try:
         # asyncio.timeout bounds the whole request; httpx's timeout only bounds each read.
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", "/v1/completions", json=completion_body(model, req)) as resp:
+            async with client.stream(
+                "POST", "/v1/completions", json=completion_body(model, req) | (extra or {})
+            ) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")[:200]
                     raise RuntimeError(f"HTTP {resp.status_code}: {body}")

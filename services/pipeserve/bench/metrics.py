@@ -29,6 +29,8 @@ class RequestResult:
     latency: float = 0.0  # seconds, end to end
     itl: list[float] = field(default_factory=list)  # seconds
     error: str = ""
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    token_ids: list[int] = field(default_factory=list)  # generated ids, when the server returns them
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float | None]:

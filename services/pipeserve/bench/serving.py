@@ -2,14 +2,17 @@
 
   pipeserve bench --url http://127.0.0.1:8000 --workload random|shared-prefix \\
       --num-requests N --concurrency C [--request-rate R] [--input-len 128] [--output-len 64] ...
+  pipeserve bench --workload multi-turn --num-conversations N --num-turns 3 --concurrency C ...
   pipeserve bench --router-overhead --url http://127.0.0.1:8000 --grpc HOST:PORT [--num-requests 200]
 
 The serving mode sends N streamed `/v1/completions` requests (token-id prompts from
 `workloads.py`, `ignore_eos` so every request generates exactly its drawn output length),
 at most C in flight, arriving as a Poisson process at R req/s (default: all at once), and
 reports what `metrics.py` defines: request/token throughput and TTFT / ITL / TPOT / E2E
-mean, p50, p90, p99. The router-overhead mode is described in `overhead.py`. Results go to
-stdout, and optionally to a JSON file and a markdown section appended to a results file.
+mean, p50, p90, p99. The multi-turn workload (conversations over one shared system prompt, turns
+sent in order) is run and reported by `multiturn.py`. The router-overhead mode is described in
+`overhead.py`. Results go to stdout, and optionally to a JSON file and a markdown section
+appended to a results file.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeserve.bench.workloads import BenchRequest
+    from pipeserve.bench.workloads import BenchRequest, Conversation
 
 _SECRET_ARGS = ("api_key",)
 
@@ -34,14 +37,23 @@ _SECRET_ARGS = ("api_key",)
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (like SGLang bench_serving)")
     b.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
-    b.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    b.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn"), default="random")
     b.add_argument("--num-requests", type=int, default=200)
     b.add_argument("--concurrency", type=int, default=16, help="most requests in flight at once")
     b.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson (default: inf)")
     b.add_argument("--input-len", type=int, default=128, help="prompt tokens (the suffix for shared-prefix)")
     b.add_argument("--output-len", type=int, default=64)
     b.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in [len*(1-ratio), len]")
-    b.add_argument("--shared-prefix-len", type=int, default=256)
+    b.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=None,
+        help="default: 256; 2048 for multi-turn (system prompt)",
+    )
+    b.add_argument("--num-turns", type=int, default=3, help="multi-turn: turns per conversation")
+    b.add_argument(
+        "--num-conversations", type=int, default=None, help="multi-turn (default: num-requests / num-turns)"
+    )
     b.add_argument("--num-prefixes", type=int, default=4)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
@@ -80,9 +92,11 @@ def _args_line(args: argparse.Namespace) -> str:
         unused = {"workload", "concurrency", "request_rate", "input_len", "output_len", "range_ratio"}
         unused |= {"shared_prefix_len", "num_prefixes", "seed", "tokenizer", "vocab_size"}
     elif args.workload == "random":
-        unused = {"shared_prefix_len", "num_prefixes"}
+        unused = {"shared_prefix_len", "num_prefixes", "num_turns", "num_conversations"}
+    elif args.workload == "shared-prefix":
+        unused = {"num_turns", "num_conversations"}
     else:
-        unused = set()
+        unused = {"num_prefixes", "request_rate"}
     for k, v in _public_args(args).items():
         if v is None or v is False or v == "" or k in unused:
             continue
@@ -116,7 +130,19 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     common = (args.num_requests, args.input_len, args.output_len, args.range_ratio, vocab, args.seed)
     if args.workload == "random":
         return workloads.random_workload(*common)
-    return workloads.shared_prefix_workload(*common, args.shared_prefix_len, args.num_prefixes)
+    prefix_len = 256 if args.shared_prefix_len is None else args.shared_prefix_len
+    return workloads.shared_prefix_workload(*common, prefix_len, args.num_prefixes)
+
+
+def build_conversations(args: argparse.Namespace) -> list[Conversation]:
+    from pipeserve.bench import multiturn, workloads
+
+    vocab = workloads.resolve_vocab_size(args.vocab_size, args.tokenizer)
+    n = args.num_conversations or max(1, args.num_requests // max(1, args.num_turns))
+    prefix = multiturn.DEFAULT_SHARED_PREFIX_LEN if args.shared_prefix_len is None else args.shared_prefix_len
+    return workloads.multi_turn_workload(
+        n, args.num_turns, args.input_len, args.output_len, args.range_ratio, vocab, args.seed, prefix
+    )
 
 
 async def _serve(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[str, dict]:
@@ -156,7 +182,7 @@ def _model_name(args: argparse.Namespace) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     import httpx
 
-    from pipeserve.bench import metrics, overhead
+    from pipeserve.bench import metrics, multiturn, overhead
 
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
@@ -172,6 +198,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 args.url, args.grpc, model, args.num_requests, args.warmup, args.timeout_s, args.api_key
             )
             print(overhead.format_overhead(over))
+        elif args.workload == "multi-turn":
+            model, summary = asyncio.run(multiturn.serve(args, build_conversations(args)))
         else:
             requests = build_workload(args)
             model, summary = asyncio.run(_serve(args, requests))
@@ -187,6 +215,8 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     if summary is not None:
         print(metrics.format_table(summary, header))
+    if summary is not None and "turns" in summary:
+        print(multiturn.format_turns(summary))
     if args.json:
         doc = {
             "date": started,
@@ -202,6 +232,8 @@ def run_bench(args: argparse.Namespace) -> int:
         title = f"Serving benchmark: {args.label or mode}"
         meta = {"date": started, "commit": _git_commit(), "url": args.url, "model": model, "mode": mode}
         section = metrics.markdown_section(title, meta, _args_line(args), summary, over)
+        if summary is not None and "turns" in summary:
+            section += "\n" + "\n".join(multiturn.turn_table_md(summary)) + "\n"
         with open(args.results_md, "a", encoding="utf-8") as f:
             f.write("\n" + section)
     if over is not None:

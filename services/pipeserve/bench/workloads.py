@@ -135,3 +135,68 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
     gaps = rng.exponential(1.0 / request_rate, size=num_requests)
     gaps[0] = 0.0  # the first request goes at once, so duration measures the server, not a wait
     return np.cumsum(gaps).tolist()
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One multi-turn conversation: the shared system prompt, then per turn a user part and an output length.
+
+    Turn t's prompt is `system + user[0] + out[0] + ... + user[t-1] + out[t-1] + user[t]`, where out[k]
+    is what the server generated at turn k (`turn_prompt`); `fallback_outputs[k]` (random ids of length
+    output_lens[k]) stands in for it when a server does not return generated token ids.
+    """
+
+    system: list[int]
+    user: list[list[int]]
+    output_lens: list[int]
+    fallback_outputs: list[list[int]]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.user)
+
+    def turn_prompt(self, turn: int, outputs: list[list[int]]) -> list[int]:
+        if not 0 <= turn < self.num_turns:
+            raise ValueError(f"turn {turn} out of range [0, {self.num_turns})")
+        if len(outputs) < turn:
+            raise ValueError(f"turn {turn} needs the outputs of the {turn} turns before it")
+        prompt = list(self.system)
+        for k in range(turn):
+            prompt += self.user[k] + outputs[k]
+        return prompt + self.user[turn]
+
+    def request(self, turn: int, outputs: list[list[int]]) -> BenchRequest:
+        return BenchRequest(self.turn_prompt(turn, outputs), self.output_lens[turn])
+
+
+def multi_turn_workload(
+    num_conversations: int,
+    num_turns: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int,
+    shared_prefix_len: int,
+    min_token_id: int = DEFAULT_MIN_TOKEN_ID,
+) -> list[Conversation]:
+    """Conversations sharing one system prompt of `shared_prefix_len` ids, each `num_turns` turns long.
+
+    Every user part and output length is drawn as in `random_workload`; the system prompt is drawn
+    first, then each conversation in order, so conversation k is the same whatever num_conversations.
+    """
+    _check_vocab(min_token_id, vocab_size)
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError("--num-conversations and --num-turns must be >= 1")
+    if shared_prefix_len < 0:
+        raise ValueError("--shared-prefix-len must be >= 0")
+    rng = np.random.default_rng([seed, 2])
+    system = _token_ids(rng, shared_prefix_len, min_token_id, vocab_size)
+    conversations = []
+    for _ in range(num_conversations):
+        turns = _draw_requests(rng, num_turns, input_len, output_len, range_ratio, min_token_id, vocab_size)
+        outs = [_token_ids(rng, t.output_len, min_token_id, vocab_size) for t in turns]
+        conversations.append(
+            Conversation(system, [t.prompt for t in turns], [t.output_len for t in turns], outs)
+        )
+    return conversations
