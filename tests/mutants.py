@@ -457,6 +457,20 @@ MUTANTS = [
         "from pipeserve.cli import main\nfrom pipeserve.config import (",
         "tests/test_import_graph.py -k 'cycle_between_modules'",
     ),
+    (
+        "multi-turn history drops the previous output",
+        "services/pipeserve/bench/workloads.py",
+        "            prompt += self.user[k] + outputs[k]",
+        "            prompt += self.user[k]",
+        "tests/bench/test_multiturn.py",
+    ),
+    (
+        "multi-turn history ignores the ids the server generated",
+        "services/pipeserve/bench/multiturn.py",
+        "ids = res.token_ids if len(res.token_ids) == res.output_len else",
+        "ids = [] if len(res.token_ids) == res.output_len else",
+        "tests/bench/test_multiturn.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -136,3 +136,61 @@ def test_parse_counters_sums_labelled_samples():
         "pipeserve_hicache_l3_written_bytes_total": 0.07,
     }
     assert multiturn.bytes_per_token(None, got, 100) is None
+
+
+def history_app(with_ids: bool = True):
+    """An OpenAI-shaped streaming app (run in-process over httpx's ASGI transport): each completion
+    streams max_tokens tokens whose ids are 7000 + prompt length + i (when `with_ids`), and a usage
+    chunk calling half the prompt cached. It records every request body."""
+    import json
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    bodies: list[dict] = []
+
+    async def completions(request):
+        body = await request.json()
+        bodies.append(body)
+        n = len(body["prompt"])
+
+        async def gen():
+            for i in range(body["max_tokens"]):
+                choice = {"index": 0, "text": "t"} | ({"token_ids": [7000 + n + i]} if with_ids else {})
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            usage = {"prompt_tokens": n, "completion_tokens": body["max_tokens"]}
+            usage["prompt_tokens_details"] = {"cached_tokens": n // 2}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])]), bodies
+
+
+@pytest.mark.parametrize("with_ids", [True, False])
+def test_turns_carry_the_generated_ids_in_order(with_ids):
+    import asyncio
+
+    import httpx
+
+    app, bodies = history_app(with_ids)
+    convs = make(n=2, turns=3)
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bench") as http:
+            return await multiturn.run_conversations(http, "m", convs, concurrency=1, timeout_s=30)
+
+    per_conv, _ = asyncio.run(run())
+    assert len(bodies) == 6 and all(b["return_token_ids"] and b["ignore_eos"] for b in bodies)
+    for c, conv in enumerate(convs):
+        sent = [b["prompt"] for b in bodies[3 * c : 3 * c + 3]]  # concurrency 1: conversations in order
+        outputs = []
+        for t in range(3):
+            assert sent[t] == conv.turn_prompt(t, outputs)
+            res = per_conv[c][t]
+            assert res.success and res.cached_tokens == len(sent[t]) // 2
+            generated = [7000 + len(sent[t]) + i for i in range(conv.output_lens[t])]
+            outputs.append(generated if with_ids else conv.fallback_outputs[t])
