@@ -5,11 +5,13 @@ A waiting request whose prompt continues past its L1/L2 hits is *probed*:
 blocks L3 holds for every stage. If some, stage 0 allocates L1 blocks for
 them and puts a LoadOrder in the next plan, with a deadline priced by size
 (`base + per_block x blocks`, capped: a flat timeout misprices long
-prefixes). Each stage answers with a LoadAck in its report. The request
-uses the loaded blocks only when **every** stage answered "ok"; any other
-answer (late, missing, checksum, Redis unavailable) releases them and the
-request recomputes. Only this request waits for its load; the rest of the
-batch runs on.
+prefixes). Each stage answers with a LoadAck in its report. The loaded
+blocks join L1's prefix cache only when **every** stage answered "ok"; any
+other answer (late, missing, checksum, Redis unavailable) releases them
+unnamed and the request recomputes. Either way the request then holds no
+blocks until its admission finds the prefix in L1 like any other hit (a
+waiting request that held blocks could fill the pool with requests that
+cannot start). Only this request waits for its load; the batch runs on.
 
 The load holds its own reference on the blocks until every stage has
 answered, so a request aborted meanwhile cannot hand a block to another
@@ -177,7 +179,7 @@ class PrefixFetch:
         order = self.issue(req, l3_blocks, hashes, block_tokens, self.l3.deadline_ms(len(l3_blocks)))
         l3_loads.append(order)
         req.block_ids = list(hits) + new
-        req.cached_by_tier = {"l2": len(l2) * bs}
+        req.fetched = {j: "l2" for j in range(len(hits), k)} | {j: "l3" for j in range(k, req.l3_end)}
         req.fetch = Fetch.LOADING
         return True
 
@@ -201,11 +203,13 @@ class PrefixFetch:
         req = load.req
         if req.fetch is not Fetch.LOADING or req.is_finished:
             return  # aborted meanwhile: its blocks went back when it finished
-        if self.outcome(load) != "ok":
-            self.bm.release(req)
-            req.fetch, req.cached_by_tier = Fetch.DONE, {}
-            return
-        for bid, h, toks in zip(load.order.block_ids, load.order.block_hashes, load.tokens, strict=True):
-            self.bm.publish(bid, h, toks)
-        req.l3_blocks = len(load.order.block_ids)
-        req.fetch = Fetch.LOADED
+        if self.outcome(load) == "ok":
+            for bid, h, toks in zip(load.order.block_ids, load.order.block_hashes, load.tokens, strict=True):
+                self.bm.publish(bid, h, toks)
+        else:
+            req.fetched = {}
+        # A waiting request holds no blocks: the loaded prefix is in L1's cache now, found by the
+        # request's admission like any other hit (or evicted first under pressure, then recomputed).
+        # Holding them until admission could fill the pool with requests that cannot start.
+        self.bm.release(req)
+        req.fetch = Fetch.DONE

@@ -31,8 +31,7 @@ class Fetch(enum.Enum):
     PROBING = "probing"  # stage 0 asked L3 which blocks it holds; not admitted meanwhile
     PROBED = "probed"  # L3 holds blocks up to `l3_end`: the next admission orders the load
     LOADING = "loading"  # the stages are loading; not admitted meanwhile
-    LOADED = "loaded"  # every stage loaded: `block_ids` hold the prefix, admitted from there
-    DONE = "done"  # nothing (more) to get from L3: admitted as usual
+    DONE = "done"  # nothing (more) to get from L3: admitted as usual (what it loaded is in L1 now)
 
 
 class FinishReason(enum.StrEnum):
@@ -61,7 +60,9 @@ class Request:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     fetch: Fetch = Fetch.NONE
     l3_end: int = 0  # PROBED: L3 holds this request's blocks up to (not including) this index
-    l3_blocks: int = 0  # LOADED: how many of the leading block_ids came from L3
+    # Block index -> "l2" / "l3": where the blocks an L3 load brought into L1 (with the L2 copies
+    # that came with it) came from, so the admission after the load credits the right tier.
+    fetched: dict[int, str] = field(default_factory=dict)
     num_preemptions: int = 0
     # Executors hold this request in their tables (it was sent as a NewRequest
     # and not freed since). Preemption and finish clear it via plan.freed.

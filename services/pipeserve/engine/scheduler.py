@@ -188,47 +188,40 @@ class Scheduler:
                 i += 1
                 continue
             tokens = req.all_token_ids
-            l2: list[tuple[int, int]] = []
-            if req.fetch is Fetch.LOADED:
-                hits = req.block_ids  # held since the load was ordered
-            else:
-                hits, prev = self.bm.match_prefix(tokens)
-                l2 = self.bm.match_host(tokens, len(hits), prev)
-                k = len(hits) + len(l2)
-                if self.fetch.l3 is not None and req.fetch is Fetch.NONE:
-                    limit = self.bm.max_prefix_blocks(len(tokens))
-                    req.fetch = Fetch.DONE
-                    if k < limit:
-                        self.fetch.l3.probe(
-                            req.req_id, chain_hashes(tokens, bs, k, limit, l2[-1][1] if l2 else prev)
-                        )
-                        self.fetch.stats.probes += 1
-                        req.fetch, req.l3_end = Fetch.PROBING, k
-                        i += 1
-                        continue
-                if req.fetch is Fetch.PROBED:
-                    req.fetch = Fetch.DONE
-                    if k < req.l3_end:
-                        if not self.fetch.order_load(req, hits, l2, prev, l2_loads, l3_loads):
-                            return  # no room: later requests wait too (arrival order)
-                        i += 1
-                        continue
-            start = (len(hits) + len(l2)) * bs
+            hits, prev = self.bm.match_prefix(tokens)
+            l2 = self.bm.match_host(tokens, len(hits), prev)
+            k = len(hits) + len(l2)
+            if self.fetch.l3 is not None and req.fetch is Fetch.NONE:
+                limit = self.bm.max_prefix_blocks(len(tokens))
+                req.fetch = Fetch.DONE
+                if k < limit:
+                    self.fetch.l3.probe(
+                        req.req_id, chain_hashes(tokens, bs, k, limit, l2[-1][1] if l2 else prev)
+                    )
+                    self.fetch.stats.probes += 1
+                    req.fetch, req.l3_end = Fetch.PROBING, k
+                    i += 1
+                    continue
+            if req.fetch is Fetch.PROBED:
+                req.fetch = Fetch.DONE
+                if k < req.l3_end:
+                    if not self.fetch.order_load(req, hits, l2, prev, l2_loads, l3_loads):
+                        return  # no room: later requests wait too (arrival order)
+                    i += 1
+                    continue
+            start = k * bs
             n = min(len(tokens) - start, budget)
-            held = req.fetch is Fetch.LOADED
             need = self.bm.blocks_needed(start + n) - len(hits)
-            if not self.bm.can_allocate(need, () if held else hits):
+            if not self.bm.can_allocate(need, hits):
                 return
             del self.waiting[i]
-            if not held:
-                self.bm.take_cached(hits)
+            self.bm.take_cached(hits)
             new = self.bm.allocate(need)
             self.fetch.load_from_host(tokens, len(hits), new, l2, l2_loads)
-            req.block_ids = list(hits) + new
+            req.block_ids = hits + new
             self.bm.record_query(len(tokens), start)
-            l3_tokens = req.l3_blocks * bs if held else 0
-            l2_tokens = req.cached_by_tier.get("l2", 0) if held else len(l2) * bs
-            req.cached_by_tier = {"l1": start - l2_tokens - l3_tokens, "l2": l2_tokens, "l3": l3_tokens}
+            tiers = [req.fetched.get(j, "l1") for j in range(len(hits))] + ["l2"] * len(l2)
+            req.cached_by_tier = {t: tiers.count(t) * bs for t in ("l1", "l2", "l3")}
             self.fetch.stats.hit_tokens.update(req.cached_by_tier)
             req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
             req.status = RequestStatus.RUNNING
@@ -288,7 +281,7 @@ class Scheduler:
         self.bm.release(req)
         req.num_computed = req.num_scheduled = 0
         req.status = RequestStatus.WAITING
-        req.fetch, req.l3_blocks, req.cached_by_tier = Fetch.NONE, 0, {}  # L3 may hold its prefix now
+        req.fetch, req.fetched, req.cached_by_tier = Fetch.NONE, {}, {}  # L3 may hold its prefix now
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._drop_from_executors(req)

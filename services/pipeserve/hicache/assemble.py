@@ -43,16 +43,17 @@ def _tier(config: EngineConfig) -> RedisTier:
 
 
 def build_stage_tiers(
-    config: EngineConfig, layout: PageLayout, host_slots: int, device: torch.device
+    config: EngineConfig, layout: PageLayout, host_slots: int, device: torch.device, delay_s: float = 0.0
 ) -> StageTiers | None:
-    """One stage's L2 pool and L3 loader/writer; None with neither."""
+    """One stage's L2 pool and L3 loader/writer; None with neither. `delay_s`: a test fault
+    (ring/faults.py l3_delay_ms) that makes this stage's loads slow."""
     if config.l3_url is None and host_slots == 0:
         return None
     tier = writer = None
     if config.l3_url is not None:
         tier = _tier(config)
         writer = PageWriter(tier, layout, config.hicache_write_queue)
-    return StageTiers(layout, host_slots, tier, writer, device)
+    return StageTiers(layout, host_slots, tier, writer, device, delay_s)
 
 
 def build_directory(config: EngineConfig, layouts: list[PageLayout]) -> RedisDirectory | None:

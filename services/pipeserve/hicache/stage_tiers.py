@@ -67,8 +67,10 @@ class StageTiers:
         tier: RedisTier | None,
         writer: PageWriter | None,
         device: torch.device,
+        delay_s: float = 0.0,
     ) -> None:
         self.layout = layout
+        self.delay_s = delay_s  # test fault: a slow Redis for this stage
         self.tier = tier
         self.writer = writer
         self.stats = StageTierStats()
@@ -163,6 +165,8 @@ class StageTiers:
         assert self.tier is not None
         while (f := self._orders.get()) is not None:
             t0 = time.monotonic()
+            if self.delay_s:
+                time.sleep(self.delay_s)
             try:
                 f.result = self.tier.load(self.layout, f.order.block_hashes)
                 self.stats.l3_bytes_read += sum(

@@ -23,6 +23,8 @@ the check it pins going red:
   crash_token        stage `crash_rank` raises an unexpected error when a chunk holds this
                      token id (a poison request that kills its group: the router must not
                      carry it to another group)
+  l3_delay_ms        stage `l3_delay_rank` fetches every L3 load this much later (a slow Redis
+                     for one stage: its answer must be "late" and the group must recompute)
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fail_rank: int = 0
     crash_token: int | None = None
     crash_rank: int = 0
+    l3_delay_ms: int = 0
+    l3_delay_rank: int = 0
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -79,6 +83,9 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return None
 
         return check
+
+    def l3_delay_s(self, rank: int) -> float:
+        return self.l3_delay_ms / 1000 if rank == self.l3_delay_rank else 0.0
 
     def corrupts(self, rank: int, plan: StepPlan) -> bool:
         return (

@@ -136,7 +136,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     layouts = page_layouts(
         l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size
     )
-    tiers = build_stage_tiers(config, layouts[rank], host_slots, device)
+    tiers = build_stage_tiers(config, layouts[rank], host_slots, device, faults.l3_delay_s(rank))
     runner.tiers = tiers
     log.info(
         "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens, "
