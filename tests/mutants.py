@@ -421,6 +421,34 @@ MUTANTS = [
         '            self._queue.put((block_hash, page.detach().to("cpu", copy=True), tokens))',
         "tests/hicache/test_writer.py -k full",
     ),
+    (
+        "stage 0 uses an L3 prefix when one stage reported a failed load",
+        "services/pipeserve/engine/prefix_loads.py",
+        '            if load.acks[rank] != "ok":',
+        '            if load.acks[rank] != "ok" and rank == 0:',
+        "tests/hicache/test_all_or_nothing.py -k corrupt",
+    ),
+    (
+        "a corrupt page reaches the model (no checksum check)",
+        "services/pipeserve/hicache/page.py",
+        "    if xxhash.xxh3_128_digest(payload) != digest:",
+        "    if False:",
+        "tests/hicache/test_all_or_nothing.py -k corrupt",
+    ),
+    (
+        "the L3 load deadline is flat (not priced by size)",
+        "services/pipeserve/hicache/directory.py",
+        "        return int(min(self.max_ms, self.base_ms + self.per_block_ms * blocks))",
+        "        return int(min(self.max_ms, self.base_ms))",
+        "tests/hicache/test_tiers_exact.py -k 'l3 and 2'",
+    ),
+    (
+        "a follower chooses its own L2 slot for a save",
+        "services/pipeserve/hicache/stage_tiers.py",
+        "            slots = torch.tensor([c.slot for c in plan.l2_saves])",
+        "            slots = torch.tensor([(c.slot + self.layout.stage) % self.host_slots for c in plan.l2_saves])",
+        "tests/hicache/test_tiers_exact.py -k 'l2 and 2'",
+    ),
     # --- structure --------------------------------------------------------------------------
     (
         "the engine builds its own ring executor (engine imports ring/)",
