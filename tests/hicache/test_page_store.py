@@ -132,12 +132,18 @@ def test_ttl_and_a_redis_that_is_gone() -> None:
 
 def test_a_redis_cluster_of_three_masters() -> None:
     nodes = [LocalRedis(cluster=True) for _ in range(3)]
+    late = RedisTier(nodes[2].url, timeout_s=0.2)  # made while the cluster is down
     try:
+        with pytest.raises(TierUnavailable):
+            late.present(layouts(), [1])
         for n in nodes:
             n.start()
         cluster_create(nodes)
         tier = RedisTier(nodes[1].url)  # any node: the cluster is found from it
         assert type(tier.client).__name__ == "RedisCluster"
+        assert late.present(layouts(), [1]) == 0  # recognised once it answers
+        assert type(late.client).__name__ == "RedisCluster"
+        late.close()
         lays = layouts()
         hashes = list(range(100, 140))  # spread over every master
         assert len({key_slot(lays[0].key(h).encode()) for h in hashes}) > 1

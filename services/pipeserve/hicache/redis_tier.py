@@ -15,8 +15,9 @@ Contract (DESIGN §5: only stage 0 decides):
   evicting keys (allkeys-lru) can only cause misses.
 
 The connection is a redis-py pool (`Redis.from_url`: redis://, rediss://,
-unix://); a server in cluster mode is detected at connect time and used
-through `RedisCluster` with the same calls.
+unix://) that reconnects by itself; a server in cluster mode is detected when
+it first answers (at start-up, or later if it was down) and used through
+`RedisCluster` with the same calls.
 """
 
 from __future__ import annotations
@@ -54,16 +55,24 @@ class RedisTier:
             raise ValueError(f"ttl_s: must be >= 1 or None (got {ttl_s})")
         self.url = url
         self.ttl_s = ttl_s
-        opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-        single = redis.Redis.from_url(url, **opts)
-        self.client: redis.Redis | RedisCluster = single
+        self._opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        self.client: redis.Redis | RedisCluster = redis.Redis.from_url(url, **self._opts)
+        self._detected = False
+        self._detect()
+
+    def _detect(self) -> None:
+        """Use RedisCluster when the server is in cluster mode. Asked again before each call until a
+        server answered, so a Redis (or cluster) that was down at start-up is recognised once it is up."""
+        if self._detected:
+            return
         try:
-            cluster = single.info("cluster").get("cluster_enabled") == 1
+            cluster = self.client.info("cluster").get("cluster_enabled") == 1
         except redis.RedisError:
-            cluster = False  # not reachable now: a single server until it answers; each call says
+            return  # not reachable now: the call that follows fails and is counted
+        self._detected = True
         if cluster:
-            single.close()
-            self.client = RedisCluster.from_url(url, **opts)
+            self.client.close()
+            self.client = RedisCluster.from_url(self.url, **self._opts)
 
     def close(self) -> None:
         self.client.close()
@@ -73,6 +82,7 @@ class RedisTier:
         if not hashes:
             return 0
         try:
+            self._detect()
             pipe = self.client.pipeline(transaction=False)
             for h in hashes:
                 for layout in layouts:
@@ -90,6 +100,7 @@ class RedisTier:
         """Write one stage's page of one block; returns the bytes written."""
         value = encode_page(layout, page, tokens)
         try:
+            self._detect()
             self.client.set(layout.key(block_hash), value, ex=self.ttl_s)
         except redis.RedisError as e:
             raise TierUnavailable(f"store: {type(e).__name__}: {e}") from None
@@ -98,6 +109,7 @@ class RedisTier:
     def load(self, layout: PageLayout, hashes: list[int]) -> LoadResult:
         """One stage's pages of `hashes`, each checked; see LoadResult."""
         try:
+            self._detect()
             pipe = self.client.pipeline(transaction=False)
             for h in hashes:
                 pipe.get(layout.key(h))

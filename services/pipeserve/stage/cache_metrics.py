@@ -102,6 +102,11 @@ def leader_tier_metrics(engine: LLMEngine) -> dict[str, Metric]:
             "pipeserve_hicache_l3_pages_ordered": Metric(
                 "counter", "blocks ordered written to L3", st.stores
             ),
+            "pipeserve_hicache_l3_directory_up": Metric(
+                "gauge",
+                "1 while stage 0's presence queries reach Redis",
+                getattr(sched.fetch.l3, "available", 1),
+            ),
             "pipeserve_hicache_l3_directory_errors": Metric(
                 "counter", "presence queries Redis failed to answer", getattr(sched.fetch.l3, "errors", 0)
             ),
