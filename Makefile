@@ -23,7 +23,7 @@ setup: $(STAMP)
 # SmolLM2-135M-Instruct (converted into ~/.cache/pipeserve on first use). Override with e.g.
 # `make run UP_ARGS="--replicas 2"`, or serve another checkpoint: UP_ARGS="--stages 2 --model DIR".
 UP_ARGS ?= --stages 2
-run: $(STAMP)
+run: $(STAMP) redis-server
 	$(VENV)/bin/pipeserve up $(UP_ARGS)
 
 lint: $(STAMP)
@@ -35,8 +35,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# HiCache's tests start their own redis-server (and a Redis Cluster) on loopback: Debian's package,
-# installed here when missing (as root, or through sudo).
+# HiCache's L3: `pipeserve up` starts a private redis-server, and the tests start their own (and a
+# Redis Cluster) on loopback: Debian's package, installed here when missing (as root, or through sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 redis-server:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
