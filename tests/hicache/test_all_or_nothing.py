@@ -169,3 +169,14 @@ def test_redis_killed_mid_load_then_back(
     outs, stats, _ = run_llm(llama_dir, 2, fresh, hicache_url=server.url, **L3)
     assert outs == [hf_greedy(llama_dir, p, GREEDY.max_tokens or 0) for p in fresh]
     assert stats.loads["ok"] > 0, stats.loads
+
+
+def test_redis_evicting_pages_only_causes_misses(llama_dir: Path) -> None:
+    with LocalRedis(maxmemory_mb=2) as small:  # allkeys-lru: old pages make room for new ones
+        prompts = family_prompts(1024, seed=46, families=12, per_family=3)
+        want = [hf_greedy(llama_dir, p, GREEDY.max_tokens or 0) for p in prompts]
+        for _ in range(2):
+            outs, _, _ = run_llm(llama_dir, 2, prompts, hicache_url=small.url, **L3)
+            assert outs == want
+        info = redis.Redis.from_url(small.url).info("stats")
+        assert info["evicted_keys"] > 0, "Redis was meant to run out of memory"
