@@ -446,7 +446,8 @@ MUTANTS = [
         "a follower chooses its own L2 slot for a save",
         "services/pipeserve/hicache/stage_tiers.py",
         "            slots = torch.tensor([c.slot for c in plan.l2_saves])",
-        "            slots = torch.tensor([(c.slot + self.layout.stage) % self.host_slots for c in plan.l2_saves])",
+        "            slots = torch.tensor([(c.slot + self.layout.stage) % self.host_slots"
+        " for c in plan.l2_saves])",
         "tests/hicache/test_tiers_exact.py -k 'l2 and 2'",
     ),
     # --- structure --------------------------------------------------------------------------
