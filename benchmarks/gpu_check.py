@@ -11,6 +11,10 @@ Run as one short script where a GPU is lent:
    With two or more GPUs, S = 2 puts a GPU under each stage and activations go
    over NCCL (the first send on each link is warmed by the ring's Hello).
 2. Offline tokens/s of each run, for the record.
+3. HiCache on `cuda` (S = 2): a small device pool so blocks move to the pinned
+   host pool (L2) and back, then a fresh group reading L3 from a private
+   redis-server (skipped when redis-server is not installed) — the same ids,
+   with L2 and L3 hits counted.
 Exit status 0 only if every comparison holds.
 """
 
@@ -68,7 +72,36 @@ def main() -> int:
             f"{24 * len(prompts) / dt:.0f} tok/s",
             flush=True,
         )
+    ok &= hicache_check(model, prompts + prompts, want + want, params)
     return 0 if ok else 1
+
+
+def hicache_check(model: str, prompts: list, want: list, params) -> bool:
+    import shutil
+
+    from pipeserve import LLM
+    from pipeserve.care.local_redis import LocalRedis
+
+    small = dict(device="cuda", max_model_len=256, num_kv_blocks=64, block_size=4, max_num_seqs=8)
+    ok = True
+    redis = LocalRedis().start() if shutil.which("redis-server") else None
+    l3 = {"hicache_url": redis.url} if redis else {}
+    try:
+        runs = [("L2", {"host_cache_gb": 0.05, **l3})] + (
+            [("L3", {"host_cache_gb": 0, **l3})] if redis else []
+        )
+        for label, kw in runs:
+            with LLM(model, stages=2, **small, **kw) as llm:
+                got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                hits = dict(llm.engine.scheduler.fetch.stats.hit_tokens)
+            same = sum(g == w for g, w in zip(got, want, strict=True))
+            tier = label.lower()
+            ok &= same == len(prompts) and hits.get(tier, 0) > 0
+            print(f"HiCache {label} on cuda: {same}/{len(prompts)} equal to transformers, hit tokens {hits}")
+    finally:
+        if redis:
+            redis.stop()
+    return ok
 
 
 if __name__ == "__main__":
