@@ -79,8 +79,13 @@ def test_redis_gone_and_back(caplog: pytest.LogCaptureFixture) -> None:
         assert not writer.available
         back = LocalRedis(port=port).start()
         try:
-            writer.submit(6, page(6), tokens=4)
-            wait_for(lambda: writer.stats.written == 2)
+            # Pages keep coming; once the backoff has passed, writing resumes by itself.
+            def resumed() -> bool:
+                writer.submit(6, page(6), tokens=4)
+                time.sleep(0.05)
+                return writer.stats.written >= 2
+
+            wait_for(resumed)
             assert writer.available and tier.present([LAYOUT], [6]) == 1
             lines = [r.getMessage() for r in caplog.records]
             assert sum("unavailable" in m for m in lines) == 1  # once per state change

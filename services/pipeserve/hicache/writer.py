@@ -5,7 +5,9 @@ and queues it, or — when the queue is full — drops it and counts the drop (a
 dropped page is only a later miss). One daemon thread drains the queue in
 order and writes each page with RedisTier.store; a write that fails (Redis
 down, slow or full) is counted and the page dropped, and the state change is
-logged once (`available` flips), never once per page.
+logged once (`available` flips), never once per page. While Redis is down
+the writer backs off (BACKOFF_S doubling to BACKOFF_MAX_S): pages queued
+meanwhile are dropped and counted without a call.
 
 `close(timeout_s)` stops taking pages, lets the thread finish what is queued
 within the deadline, and returns how many pages were left unwritten.
@@ -25,6 +27,11 @@ from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
 
 log = logging.getLogger(__name__)
+
+# After a failed write, pages are dropped unwritten for this long (doubling per failure in a row, up
+# to the max): a Redis that is down costs no socket timeouts per page, and is tried again soon.
+BACKOFF_S = 0.2
+BACKOFF_MAX_S = 5.0
 
 
 @dataclass
@@ -80,8 +87,12 @@ class PageWriter:
         return max(0, self._queue.qsize() - stop_queued)
 
     def _run(self) -> None:
+        delay, retry_at = BACKOFF_S, 0.0
         while (item := self._queue.get()) is not None:
             block_hash, page, tokens = item
+            if not self.available and time.monotonic() < retry_at:
+                self.stats.failed += 1  # Redis is down: drop without waiting on it (backoff)
+                continue
             try:
                 self.stats.bytes_written += self.tier.store(self.layout, block_hash, page, tokens)
                 self.stats.written += 1
@@ -91,6 +102,10 @@ class PageWriter:
                 ok = False
                 if self.available:
                     log.warning("L3 unavailable for stage %d: %s", self.layout.stage, e)
+                else:
+                    delay = min(2 * delay, BACKOFF_MAX_S)
+                retry_at = time.monotonic() + delay
             if ok and not self.available:
                 log.info("L3 available again for stage %d", self.layout.stage)
+                delay = BACKOFF_S
             self.available = ok
