@@ -14,11 +14,12 @@ loopback ports, and measures in one run, each case `--reps` times:
                  ready again, the first request on one group is a never-seen prefix (a cold start),
                  the first on the other a prefix stored in L3 before the restart.
 
-Which group served a request is read from stage 0's prefix_queried_tokens (round_robin alternates;
-a short filler request moves the turn when needed). Every request: 2 output tokens, `ignore_eos`,
-greedy, a fresh random suffix so whole prompts never repeat. Bytes read from L3 per prompt token come
-from every stage's pipeserve_hicache_l3_read_bytes_total. A short `pipeserve bench --workload
-multi-turn` run follows (per-turn TTFT and cached share) unless --no-multi-turn.
+Which group served a request is read from stage 0's prefix_queried_tokens, and round_robin is
+steered with short fillers (`hicache_cluster.py`, which also starts, scrapes and restarts `up`).
+Every request: 2 output tokens, `ignore_eos`, greedy, a fresh random suffix so whole prompts never
+repeat. Bytes read from L3 per prompt token come from every stage's
+pipeserve_hicache_l3_read_bytes_total. A short `pipeserve bench --workload multi-turn` run follows
+(per-turn TTFT and cached share) unless --no-multi-turn.
 
 Every wait has a deadline; `up` runs in its own session and is stopped (SIGTERM, then SIGKILL of its
 process group) on exit, error or Ctrl-C.
@@ -31,173 +32,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+from hicache_cluster import SMOLLM2_VOCAB, Cluster, Up, ids, metric, restart_groups
 
-SMOLLM2_VOCAB = 49152
 GOAL_L3 = 0.30  # L3 hit TTFT <= 0.3 x recompute
 GOAL_RESTART = 0.35  # first conversation after a restart <= 0.35 x a cold start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Up:
-    """`pipeserve up` in its own session; `stop()` ends it and everything it started."""
-
-    def __init__(self, argv: list[str], log_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self._err = open(log_dir / "up.log", "ab")
-        cmd = [
-            sys.executable,
-            "-m",
-            "pipeserve.cli",
-            "up",
-            "--port",
-            str(self.port),
-            "--log-dir",
-            str(log_dir),
-        ]
-        self.proc = subprocess.Popen(
-            cmd + argv, stdout=subprocess.PIPE, stderr=self._err, text=True, start_new_session=True
-        )
-
-    def wait_ready(self, timeout_s: float) -> None:
-        assert self.proc.stdout is not None
-        os.set_blocking(self.proc.stdout.fileno(), False)
-        deadline, buf = time.monotonic() + timeout_s, ""
-        while time.monotonic() < deadline:
-            buf += self.proc.stdout.readline() or ""
-            if "serving" in buf:
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pipeserve up exited {self.proc.returncode}: {buf}")
-            time.sleep(0.2)
-        raise TimeoutError(f"pipeserve up not ready in {timeout_s:.0f}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._err.close()
-
-    def groups(self) -> list[dict]:
-        return httpx.get(self.url + "/groups", timeout=10, trust_env=False).json()
-
-
-def scrape(health: str) -> dict[str, float]:
-    """Every sample of a stage's /metrics page: 'name{labels}' -> value."""
-    out = {}
-    for line in httpx.get(health + "/metrics", timeout=10, trust_env=False).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def metric(m: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of `name`'s samples whose labels include `labels`."""
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in m.items() if k.split("{")[0] == name and all(w in k for w in want))
-
-
-class Cluster:
-    """The benchmark's view of `up`: group names in order, their stages' metrics, requests."""
-
-    def __init__(self, up: Up, model: str) -> None:
-        self.up, self.model = up, model
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.groups = {g["name"]: g for g in self.up.groups()}
-        self.names = sorted(self.groups)
-
-    def stage0(self, name: str) -> dict[str, float]:
-        return scrape(self.groups[name]["health"][0])
-
-    def read_bytes(self, name: str) -> float:
-        return sum(
-            metric(scrape(h), "pipeserve_hicache_l3_read_bytes_total") for h in self.groups[name]["health"]
-        )
-
-    def queried(self) -> dict[str, float]:
-        return {n: metric(self.stage0(n), "pipeserve_prefix_queried_tokens_total") for n in self.names}
-
-    def send(self, prompt: list[int], max_tokens: int = 2) -> tuple[dict, str]:
-        """One streamed completion: ({ttft_s, cached_tokens, prompt_tokens}, the group that served it)."""
-        before = self.queried()
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        ttft, usage = None, {}
-        start = time.perf_counter()
-        with httpx.stream(
-            "POST", self.up.url + "/v1/completions", json=body, timeout=300, trust_env=False
-        ) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):
-                    ttft = time.perf_counter() - start
-                usage = chunk.get("usage") or usage
-        after = self.queried()
-        served = [n for n in self.names if after[n] > before[n]]
-        if ttft is None or len(served) != 1:
-            raise RuntimeError(f"no token, or not one serving group ({served})")
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return {"ttft_s": ttft, "cached_tokens": cached, "prompt_tokens": usage.get("prompt_tokens")}, served[
-            0
-        ]
-
-    def steer(self, target: str, rng: np.random.Generator) -> None:
-        """Short fillers until round_robin's next pick is `target` (two groups: they alternate)."""
-        for _ in range(4):
-            _, served = self.send(ids(rng, 8), max_tokens=1)
-            if served != target:
-                return
-        raise RuntimeError(f"round_robin never moved past {target}")
-
-    def wait_stored(self, name: str, stores_before: float, blocks: int, timeout_s: float = 120) -> None:
-        """Until `name`'s stage 0 has written `blocks` more pages and its queue is empty (or deadline)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            m = self.stage0(name)
-            stored = metric(m, "pipeserve_hicache_l3_stores_total") - stores_before
-            if stored >= blocks and metric(m, "pipeserve_hicache_l3_store_queue") == 0:
-                return
-            time.sleep(0.2)
-        print(f"# warning: {name} stored fewer than {blocks} pages in {timeout_s}s", file=sys.stderr)
-
-
-def ids(rng: np.random.Generator, n: int) -> list[int]:
-    return rng.integers(3, SMOLLM2_VOCAB, size=n).tolist()
 
 
 def tiers_delta(before: dict, after: dict) -> dict[str, float]:
@@ -260,32 +105,6 @@ def run_reps(c: Cluster, args: argparse.Namespace, rng: np.random.Generator) -> 
     return cases, prefixes
 
 
-def restart_groups(c: Cluster, timeout_s: float) -> float:
-    """SIGKILL every stage of every group; wait until /groups shows new pids, all ready and routable."""
-    old = {n: dict(c.groups[n]["pids"]) for n in c.names}
-    start = time.monotonic()
-    for n in c.names:
-        for pid in old[n].values():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = start + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        groups = {g["name"]: g for g in c.up.groups()}
-        if all(
-            g["state"] == "ready"
-            and g["pids"]
-            and g["pids"] != old[n]
-            and (g.get("router") or {}).get("ready")
-            for n, g in groups.items()
-        ):
-            c.refresh()
-            return time.monotonic() - start
-    raise TimeoutError(f"groups not ready {timeout_s:.0f}s after the restart")
-
-
 def run_restarts(c: Cluster, args: argparse.Namespace, rng: np.random.Generator, stored: list) -> dict:
     """Case (d): after each restart, the first request is a cold start, the second an L3-stored prefix."""
     out: dict[str, list] = {"cold_after_restart": [], "l3_after_restart": [], "restart_s": []}
@@ -321,6 +140,7 @@ def stats(rows: list[dict]) -> dict:
         "ttft_p99_ms": float(np.percentile(t, 99)),
         "cached_share": sum(r["cached_tokens"] or 0 for r in rows) / prompt if prompt else None,
         "hit_tokens": hits,
+        "requests_hit": {tier: sum(r["hit_tokens"][tier] > 0 for r in rows) for tier in ("l1", "l2", "l3")},
         "l3_outcomes": outcomes,
         "l3_load_ms_mean": 1000 * float(np.mean(loads)) if loads else None,
         "l3_read_bytes_per_prompt_token": sum(r["l3_read_bytes"] for r in rows) / prompt if prompt else None,
@@ -381,6 +201,12 @@ def report(s: dict[str, dict], restart_s: list[float]) -> list[str]:
             ratio = s[num]["ttft_p50_ms"] / s[den]["ttft_p50_ms"]
             verdict = "" if goal is None else f" (goal <= {goal}: {'met' if ratio <= goal else 'NOT met'})"
             lines.append(f"- {what}, TTFT p50: **{ratio:.3f}x**{verdict}")
+    # The tier each case is about must have served it: say how often it did (the brief's check).
+    for key, tier in (("l3", "l3"), ("l2", "l2"), ("l3_after_restart", "l3")):
+        if key in s:
+            hit, n = s[key]["requests_hit"][tier], s[key]["n"]
+            note = "" if hit == n else " — the other requests were not served from that tier"
+            lines.append(f"- {key}: {hit} of {n} requests had {tier} hit tokens{note}")
     if restart_s:
         lines.append(f"- restart to ready (both groups): {', '.join(f'{t:.0f}s' for t in restart_s)}")
     return lines
