@@ -30,6 +30,9 @@ SPECIAL = {
     "port": 8123,
     "served_model_name": "served-name",
     "seed": 7,
+    "hicache_url": "redis://127.0.0.1:6390/1",
+    "host_cache_gb": 0.25,
+    "hicache_ttl_s": 600,
 }
 FIXED = {  # what `pipeserve up` sets itself or from its own flags (config: fields)
     "engine": {"model", "stages", "log_dir"},

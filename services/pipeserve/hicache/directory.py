@@ -29,9 +29,9 @@ class LoadDeadline:
     """Time a stage gets to load n pages: base + per_block x n, capped (a flat timeout misprices
     long prefixes: too short for them, or far too long for short ones)."""
 
-    base_ms: float = 200.0
-    per_block_ms: float = 10.0
-    max_ms: float = 10_000.0
+    base_ms: float = 250.0
+    per_block_ms: float = 25.0
+    max_ms: float = 30_000.0
 
     def __call__(self, blocks: int) -> int:
         return int(min(self.max_ms, self.base_ms + self.per_block_ms * blocks))

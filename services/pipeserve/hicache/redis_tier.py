@@ -31,6 +31,9 @@ from redis.cluster import RedisCluster
 from pipeserve.hicache.page import PageError, PageLayout, decode_page, encode_page
 
 
+LOAD_BATCH = 16  # pages per round trip of a load
+
+
 class TierUnavailable(RuntimeError):
     """Redis did not answer in time or refused the call; the caller counts it as a miss."""
 
@@ -107,13 +110,17 @@ class RedisTier:
         return len(value)
 
     def load(self, layout: PageLayout, hashes: list[int]) -> LoadResult:
-        """One stage's pages of `hashes`, each checked; see LoadResult."""
+        """One stage's pages of `hashes`, each checked; see LoadResult. Read LOAD_BATCH pages per
+        round trip: each reply stays small enough to arrive within the socket deadline, and a
+        long prefix does not hold one huge reply in Redis' output buffer."""
+        values: list[bytes | None] = []
         try:
             self._detect()
-            pipe = self.client.pipeline(transaction=False)
-            for h in hashes:
-                pipe.get(layout.key(h))
-            values = pipe.execute()
+            for i in range(0, len(hashes), LOAD_BATCH):
+                pipe = self.client.pipeline(transaction=False)
+                for h in hashes[i : i + LOAD_BATCH]:
+                    pipe.get(layout.key(h))
+                values += pipe.execute()
         except redis.RedisError as e:
             raise TierUnavailable(f"load: {type(e).__name__}: {e}") from None
         result = LoadResult([], [])

@@ -74,6 +74,7 @@ class StageTiers:
         self.tier = tier
         self.writer = writer
         self.stats = StageTierStats()
+        self._failing = False  # the last load this stage answered failed (logged on each change)
         self.host: torch.Tensor | None = None
         if host_slots:
             layers, two, bs, kvh, d = layout.shape
@@ -158,6 +159,19 @@ class StageTiers:
 
     def _answer(self, order: LoadOrder, status: str) -> LoadAck:
         self.stats.l3_loads[status] = self.stats.l3_loads.get(status, 0) + 1
+        failing = status not in ("ok", "disabled")
+        if failing != self._failing:  # one line per change of state, not one per load
+            self._failing = failing
+            if failing:
+                log.warning(
+                    "stage %d: L3 load of %d pages answered %r (the group recomputes; "
+                    "hicache_load_* flags price the deadline)",
+                    self.layout.stage,
+                    len(order.block_ids),
+                    status,
+                )
+            else:
+                log.info("stage %d: L3 loads succeed again", self.layout.stage)
         return LoadAck(order.load_id, status)
 
     # --- the loader thread -----------------------------------------------------
