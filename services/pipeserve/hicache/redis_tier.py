@@ -30,7 +30,6 @@ from redis.cluster import RedisCluster
 
 from pipeserve.hicache.page import PageError, PageLayout, decode_page, encode_page
 
-
 LOAD_BATCH = 16  # pages per round trip of a load
 
 
