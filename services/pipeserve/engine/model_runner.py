@@ -54,6 +54,11 @@ class CacheMoves(Protocol):
 
     def execute(self, plan: StepPlan, pool: torch.Tensor) -> list[LoadAck]: ...
 
+    @property
+    def lost_pages(self) -> int:
+        """Pages this stage could not write to L3 so far."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -333,6 +338,7 @@ class ModelRunner:
             self.meter.wall_s,
             failed or [],
             acks or [],
+            self.tiers.lost_pages if self.tiers is not None else 0,
         )
 
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -142,6 +142,7 @@ class StageReport(msgspec.Struct, array_like=True, frozen=True):
     wall_s: float  # seconds since the stage executed its first plan
     failed: list[RequestFailure] = []  # requests of this plan that failed on this stage
     loads: list[LoadAck] = []  # L3 loads this stage finished (or gave up) since its last report
+    l3_lost: int = 0  # pages this stage could not write to L3 so far (queue full, Redis failed)
 
 
 class StepOutput(msgspec.Struct, frozen=True):

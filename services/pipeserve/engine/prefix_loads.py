@@ -84,6 +84,8 @@ class PrefixFetch:
         self.stats = TierStats()
         # Hashes known to be in L3 (stored or loaded lately): write-through skips them.
         self._known: OrderedDict[int, None] = OrderedDict()
+        self._probed: dict[str, list[int]] = {}  # req_id -> the hashes its probe asked about
+        self._lost = 0
         self._known_max = 1 << 16
 
     def issue(
@@ -183,10 +185,30 @@ class PrefixFetch:
         req.fetch = Fetch.LOADING
         return True
 
+    def note_lost(self, lost: int) -> None:
+        """Pages the stages could not write (their reports' sum): when it grows, what stage 0
+        believes is in L3 may not be; it forgets, and the next requests store their blocks again."""
+        if lost != self._lost:
+            self._lost = lost
+            self._known.clear()
+
+    def probe(self, req: Request, start: int, hashes: list[int]) -> None:
+        """Ask L3 about req's blocks from `start` on (their chain hashes); the answer comes later."""
+        assert self.l3 is not None
+        self.l3.probe(req.req_id, hashes)
+        self._probed[req.req_id] = hashes
+        self.stats.probes += 1
+        req.fetch, req.l3_end = Fetch.PROBING, start
+
     def take_probe_answers(self, requests: dict[str, Request]) -> None:
         if self.l3 is None:
             return
         for req_id, blocks in self.l3.answers():
+            hashes = self._probed.pop(req_id, [])
+            # Blocks written through lately but absent now (a store dropped, Redis restarted or
+            # evicting): forget them, so the next request that computes them stores them again.
+            for h in hashes[blocks:]:
+                self._known.pop(h, None)
             req = requests.get(req_id)
             if req is None or req.fetch is not Fetch.PROBING:
                 continue  # finished or aborted meanwhile

@@ -195,11 +195,7 @@ class Scheduler:
                 limit = self.bm.max_prefix_blocks(len(tokens))
                 req.fetch = Fetch.DONE
                 if k < limit:
-                    self.fetch.l3.probe(
-                        req.req_id, chain_hashes(tokens, bs, k, limit, l2[-1][1] if l2 else prev)
-                    )
-                    self.fetch.stats.probes += 1
-                    req.fetch, req.l3_end = Fetch.PROBING, k
+                    self.fetch.probe(req, k, chain_hashes(tokens, bs, k, limit, l2[-1][1] if l2 else prev))
                     i += 1
                     continue
             if req.fetch is Fetch.PROBED:
@@ -299,6 +295,7 @@ class Scheduler:
         finished: list[Request] = []
         self._inflight_tokens -= plan.num_tokens
         self._polls -= plan.poll
+        self.fetch.note_lost(sum(r.l3_lost for r in output.reports))
         for report in output.reports:
             for ack in report.loads:
                 try:

@@ -95,6 +95,12 @@ class StageTiers:
             self._thread.start()
 
     @property
+    def lost_pages(self) -> int:
+        if self.writer is None:
+            return 0
+        return self.writer.stats.dropped_full + self.writer.stats.failed
+
+    @property
     def host_slots(self) -> int:
         return 0 if self.host is None else self.host.shape[2]
 
