@@ -43,7 +43,8 @@ from pipeserve.engine.plan import (
 from pipeserve.engine.prefix_loads import L3Directory, PrefixFetch
 from pipeserve.engine.request import Fetch, FinishReason, Request, RequestStatus
 
-POLL_S = 0.001  # while L3 loads await answers and nothing else moves, one poll plan per this
+POLL_S = 0.005  # while L3 loads await answers and nothing else moves, one poll plan per this (a faster
+# poll takes the GIL from the stage's own loader thread: a 2k-token load took twice as long at 1 ms)
 
 
 class ResultMismatch(RuntimeError):
