@@ -57,8 +57,8 @@ def build_stage_tiers(
 
 
 def build_directory(config: EngineConfig, layouts: list[PageLayout]) -> RedisDirectory | None:
-    """Stage 0's presence queries to L3; None without L3."""
-    if config.l3_url is None:
+    """Stage 0's presence queries to L3; None without L3 (or without prefix caching: L3 holds prefixes)."""
+    if config.l3_url is None or not config.enable_prefix_caching:
         return None
     deadline = LoadDeadline(
         config.hicache_load_base_ms, config.hicache_load_per_block_ms, config.hicache_load_max_ms
