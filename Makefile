@@ -23,7 +23,9 @@ setup: $(STAMP)
 # SmolLM2-135M-Instruct (converted into ~/.cache/pipeserve on first use). Override with e.g.
 # `make run UP_ARGS="--replicas 2"`, or serve another checkpoint: UP_ARGS="--stages 2 --model DIR".
 UP_ARGS ?= --stages 2
-run: $(STAMP) redis-server
+# L3 needs redis-server: installed when it can be; without it `up` serves with L3 off (it says so).
+run: $(STAMP)
+	-@$(MAKE) --no-print-directory redis-server
 	$(VENV)/bin/pipeserve up $(UP_ARGS)
 
 lint: $(STAMP)
