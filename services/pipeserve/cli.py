@@ -118,6 +118,7 @@ def _env_int(name: str) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pipeserve.bench.serving import add_bench_parser
+    from pipeserve.router.standalone import add_router_parser
     from pipeserve.supervisor.up import add_up_parser
 
     parser = argparse.ArgumentParser(prog="pipeserve")
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(s, StageServeConfig, skip=set())
     s.set_defaults(func=_stage)
     add_up_parser(sub)
+    add_router_parser(sub)
     add_bench_parser(sub)
     return parser
 
