@@ -62,10 +62,15 @@ class CacheMoves(Protocol):
     def close(self) -> None: ...
 
 
-def no_tiers(plan: StepPlan) -> list[LoadAck]:
-    """A stage without HiCache: L3 loads are answered "disabled"; an L2 move is a divergence."""
+def refuse_l2_moves(plan: StepPlan) -> None:
+    """On a stage without an L2 pool, a plan that moves blocks through L2 is a divergence."""
     if plan.l2_saves or plan.l2_loads:
         raise PlanMismatch(f"step {plan.step_id}: moves blocks through L2, but this stage has no L2 pool")
+
+
+def no_tiers(plan: StepPlan) -> list[LoadAck]:
+    """A stage without HiCache: L3 loads are answered "disabled"; an L2 move is a divergence."""
+    refuse_l2_moves(plan)
     return [LoadAck(o.load_id, "disabled") for o in plan.l3_loads]
 
 

@@ -69,6 +69,7 @@ class PendingLoad:
     tokens: list[tuple[int, ...]]  # each block's tokens (published on success)
     issued: float
     acks: dict[int, str] = field(default_factory=dict)  # rank -> status
+    status: str = ""  # once every stage answered: "ok" or the first failing answer (outcome())
 
 
 class PrefixFetch:
@@ -110,7 +111,7 @@ class PrefixFetch:
         if len(load.acks) < self.num_stages:
             return None
         del self.pending[ack.load_id]
-        status = self.outcome(load)
+        load.status = status = self.outcome(load)
         self.stats.loads[status] += 1
         if status == "ok":
             self.stats.load_blocks_ok += len(load.order.block_ids)
@@ -225,7 +226,7 @@ class PrefixFetch:
         req = load.req
         if req.fetch is not Fetch.LOADING or req.is_finished:
             return  # aborted meanwhile: its blocks went back when it finished
-        if self.outcome(load) == "ok":
+        if load.status == "ok":
             for bid, h, toks in zip(load.order.block_ids, load.order.block_hashes, load.tokens, strict=True):
                 self.bm.publish(bid, h, toks)
         else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeserve.engine.model_runner import PlanMismatch
+from pipeserve.engine.model_runner import refuse_l2_moves
 from pipeserve.engine.plan import LoadAck, LoadOrder, StepPlan
 from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.redis_tier import LoadResult, RedisTier, TierUnavailable
@@ -107,8 +107,8 @@ class StageTiers:
     # --- per plan (the stage's thread) -----------------------------------------
     def execute(self, plan: StepPlan, pool: torch.Tensor) -> list[LoadAck]:
         """Apply the plan's cache moves to `pool` ([layers, 2, blocks, block_size, kv_heads, head_dim])."""
-        if (plan.l2_saves or plan.l2_loads) and self.host is None:
-            raise PlanMismatch(f"step {plan.step_id}: moves blocks through L2, but this stage has no L2 pool")
+        if self.host is None:
+            refuse_l2_moves(plan)
         if plan.l3_stores and self.writer is not None:
             for s in plan.l3_stores:
                 self.writer.submit(s.block_hash, pool[:, :, s.block_id], self.layout.block_size)
