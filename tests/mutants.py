@@ -500,6 +500,27 @@ MUTANTS = [
         "ids = [] if len(res.token_ids) == res.output_len else",
         "tests/bench/test_multiturn.py",
     ),
+    (
+        "restart decision counts stale-generation stages",
+        "services/pipeserve/care/restarts.py",
+        "    current = {s.rank: s for s in obs.stages if s.generation == record.generation}",
+        "    current = {s.rank: s for s in obs.stages}",
+        "tests/care/test_restarts.py",
+    ),
+    (
+        "restart decision stops only the failed stage",
+        "services/pipeserve/care/restarts.py",
+        "    return Decision(Action.RESTART, stopped, cause, _all_ranks(obs), delay)",
+        "    return Decision(Action.RESTART, stopped, cause, (), delay)",
+        "tests/care/test_restarts.py",
+    ),
+    (
+        "restart decision ignores the backoff",
+        "services/pipeserve/care/restarts.py",
+        "        if now < record.restart_at:",
+        "        if False:",
+        "tests/care/test_restarts.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -223,8 +223,9 @@ def _failure(
             what = f"with status {s.exit_code}" if s.exit_code is not None else "(status unknown)"
             # Cannot start (configuration, checkpoint) on the very first try: a retry would fail alike.
             first_try = not record.ever_ready and record.restarts == 0
-            fatal = first_try and s.exit_code in policy.fatal_exit_codes
-            return f"stage {rank} {how} {what}", fatal
+            if first_try and s.exit_code in policy.fatal_exit_codes:
+                return f"stage {rank} cannot start (exited with status {s.exit_code})", True
+            return f"stage {rank} {how} {what}", False
         if s.wedged:
             return f"stage {rank} is wedged: {s.wedged}", False
         if s.deleting:

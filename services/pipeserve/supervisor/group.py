@@ -6,30 +6,24 @@ incarnation is a fresh LocalGroup (a new rendezvous file, new processes);
 a group is never repaired stage by stage: the communicator of a group that
 lost a stage is broken, so the whole group is stopped and started again.
 
-States: starting (processes up, waiting for every stage's /readyz), ready,
-backoff (stopped after a failure, waiting to restart), stopped (shutdown).
+Its life is a `GroupRecord` (care/restarts.py): generation, phase, restarts,
+backoff — the supervisor replaces it with each decision. `stopped` is set by
+shutdown only (the decision function knows no shutdown).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import signal
 import time
 from dataclasses import dataclass, field
 
 from pipeserve.care.launcher import LocalGroup, free_port
+from pipeserve.care.restarts import GroupRecord, StageObservation, StageState
 from pipeserve.config import EngineConfig, StageServeConfig, config_argv
 
 log = logging.getLogger(__name__)
-
-
-class SlotState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    BACKOFF = "backoff"
-    STOPPED = "stopped"
 
 
 @dataclass
@@ -39,15 +33,12 @@ class GroupSlot:
     serve: StageServeConfig
     grpc_port: int = 0
     health_ports: list[int] = field(default_factory=list)
-    state: SlotState = SlotState.STOPPED
-    restarts: int = 0
-    failures_in_a_row: int = 0
-    started_at: float = 0.0
-    ready_at: float | None = None
-    restart_at: float = 0.0  # in backoff: when to start again
-    last_failure: str = ""
+    record: GroupRecord = field(default_factory=GroupRecord)
+    stopped: bool = False  # shut down (no more decisions)
     group: LocalGroup | None = None
+    started_at: float = 0.0  # when this incarnation's processes were started (monotonic)
     probe_failures: dict[int, int] = field(default_factory=dict)  # rank -> unanswered /livez in a row
+    generation: int = 0  # the generation of the running incarnation (0: none)
 
     def __post_init__(self) -> None:
         host = self.serve.host
@@ -64,6 +55,18 @@ class GroupSlot:
         return f"http://{self.serve.host}:{self.health_ports[rank]}"
 
     @property
+    def restarts(self) -> int:
+        return self.record.restarts
+
+    @property
+    def last_failure(self) -> str:
+        return self.record.last_failure
+
+    @property
+    def state(self) -> str:
+        return "stopped" if self.stopped else self.record.phase.name.lower()
+
+    @property
     def pids(self) -> dict[int, int]:
         return self.group.pids if self.group else {}
 
@@ -78,13 +81,30 @@ class GroupSlot:
 
         group.start(range(self.config.stages), argv, log_name=f"{self.name}-stage-{{}}.log".format)
         self.group = group
-        self.state = SlotState.STARTING
+        self.generation = self.record.generation  # stamped on this incarnation's processes
         self.started_at = time.monotonic()
-        self.ready_at = None
         self.probe_failures = {}
 
-    def exited(self) -> dict[int, int]:
-        return self.group.exited() if self.group else {}
+    def group_exited(self) -> bool:
+        """A stage of this incarnation has exited (no need to probe the others: the decision is made)."""
+        return bool(self.group and self.group.exited())
+
+    def observe(self, ready: dict[int, bool], wedged: dict[int, str]) -> tuple[StageObservation, ...]:
+        """This incarnation's stages as the decision function sees them (probe results from the caller)."""
+        if self.group is None:
+            return ()
+        exited = self.group.exited()
+        return tuple(
+            StageObservation(
+                rank=rank,
+                generation=self.generation,
+                state=StageState.EXITED if rank in exited else StageState.RUNNING,
+                ready=ready.get(rank, False),
+                wedged=wedged.get(rank, ""),
+                exit_code=exited.get(rank),
+            )
+            for rank in self.group.procs
+        )
 
     def kill(self, grace_s: float) -> dict[int, int]:
         """Stop a failed incarnation: every stage at once (SIGTERM, then SIGKILL after grace_s)."""
@@ -99,6 +119,7 @@ class GroupSlot:
 
     def shutdown(self, drain_s: float) -> dict[int, int]:
         """Clean stop: stage 0 drains and sends the Stop round the ring; stragglers are killed."""
+        self.stopped = True
         if self.group is None:
             return {}
         stage0 = self.group.procs.get(0)
@@ -106,13 +127,14 @@ class GroupSlot:
             stage0.send_signal(signal.SIGTERM)
         codes = self.group.stop(grace_s=drain_s + 5.0)
         self.group = None
-        self.state = SlotState.STOPPED
+        self.stopped = True
         return codes
 
     def snapshot(self) -> dict:
         return {
             "name": self.name,
-            "state": self.state.value,
+            "state": self.state,
+            "generation": self.record.generation,
             "restarts": self.restarts,
             "last_failure": self.last_failure,
             "grpc": self.grpc_target,

@@ -1,18 +1,17 @@
-"""Supervisor: starts R pipeline groups and keeps them serving, the way the operator will.
+"""Supervisor: starts R pipeline groups and keeps them serving, with the operator's restart rules.
 
-Every `interval_s` (SupervisorConfig: every timing below is named there) it looks at each group:
-- a stage process exited (crash, group stop, a wedge the stage detected
-  itself) ⇒ the whole group is stopped and restarted;
-- a stage's /livez says wedged (503), or has not answered for longer than
-  its own wedge detector needs (timeout + grace + margin: a stage frozen so
-  hard it cannot even exit, e.g. SIGSTOP) ⇒ the same;
-- a group not ready within connect_timeout_s + margin of its start ⇒ the same.
-Restarts back off exponentially (backoff_s doubling up to backoff_max_s; a
-group ready for `stable_s` is forgiven its past failures) and are counted in
-`pipeserve_group_restarts_total{group}`. The router is told at once
-(`set_down`), so it stops routing to the group before its next health poll,
-and keeps serving from the other groups. Blocking process calls run in a
-worker thread.
+Every `interval_s` (SupervisorConfig: every timing below is named there) it observes each group and
+hands the observation to the one decision function the operator uses too (care/restarts.py):
+- a stage process exited (crash, group stop, a wedge the stage detected itself);
+- a stage's /livez says wedged (503), or has not answered for longer than its own wedge detector
+  needs (timeout + grace + margin: a stage frozen so hard it cannot even exit, e.g. SIGSTOP);
+- a group not ready within connect_timeout_s + ready_margin_s of its start (the startup deadline)
+⇒ RESTART: the whole group is stopped and, after the backoff (backoff_s doubling up to backoff_max_s;
+a group ready for `stable_s` is forgiven its past failures), started again as a new generation.
+Restarts are counted in `pipeserve_group_restarts_total{group}`. A stage that cannot start (exit 2)
+before its group was ever ready ⇒ FAIL: `pipeserve up` gives up instead of looping. The router is told
+at once (`on_down`), so it stops routing to the group before its next health poll and keeps serving
+from the other groups. Blocking process calls run in a worker thread.
 
 In `pipeserve up` the supervisor runs on its own thread and event loop
 (`SupervisorThread`): a client that stalls the router's loop (a CPU-heavy
@@ -33,9 +32,10 @@ from collections.abc import Callable
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pipeserve.care.restarts import Action, GroupObservation, Phase, RestartPolicy, decide
 from pipeserve.config import SupervisorConfig
 from pipeserve.errors import ExitCode
-from pipeserve.supervisor.group import GroupSlot, SlotState
+from pipeserve.supervisor.group import GroupSlot
 
 log = logging.getLogger(__name__)
 
@@ -61,105 +61,118 @@ class Supervisor:
             self.restarts.labels(slot.name)
             self.group_ready.labels(slot.name).set(0)
         self.all_ready = threading.Event()  # every group was ready at least once
-        # A stage that cannot start (exit 2: configuration or checkpoint) before its group was ever
-        # ready will not start on a retry either: `pipeserve up` gives up instead of looping.
         self.fatal: str | None = None
         self.failed = threading.Event()
         self._stopping = False
         self._client = httpx.AsyncClient(timeout=config.probe_timeout_s)
 
+    def policy(self, slot: GroupSlot) -> RestartPolicy:
+        c = self.config
+        return RestartPolicy(
+            startup_deadline_s=slot.config.connect_timeout_s + c.ready_margin_s,
+            backoff_s=c.backoff_s,
+            backoff_max_s=c.backoff_max_s,
+            stable_s=c.stable_s,
+            fatal_exit_codes=frozenset({ExitCode.CANNOT_START}),
+        )
+
     async def start(self) -> None:
         for slot in self.slots:
-            slot.start()
-            log.info("%s: starting %d stages (gRPC %s)", slot.name, slot.config.stages, slot.grpc_target)
+            await self._watch(slot)  # PENDING: the decision is START
 
     async def run(self) -> None:
         while not self._stopping:
             await asyncio.gather(*(self._watch(slot) for slot in self.slots))
-            if all(s.state is SlotState.READY for s in self.slots):
+            if all(s.record.phase is Phase.READY for s in self.slots):
                 self.all_ready.set()
             await asyncio.sleep(self.config.interval_s)
 
     async def _watch(self, slot: GroupSlot) -> None:
+        if self._stopping or slot.stopped:
+            return
+        phase = slot.record.phase
+        ready: dict[int, bool] = {}
+        wedged: dict[int, str] = {}
+        if phase in (Phase.STARTING, Phase.READY) and not slot.group_exited():
+            wedged = await self._probe(slot)
+            if phase is Phase.READY:
+                # Once ready, liveness and exits decide (a /readyz that times out on a busy machine
+                # must not take a serving group out of routing); the router polls Health itself.
+                ready = dict.fromkeys(range(slot.config.stages), True)
+            elif not wedged:
+                ready = await self._ready(slot)
+        obs = GroupObservation(slot.config.stages, slot.observe(ready, wedged))
         now = time.monotonic()
-        if slot.state is SlotState.BACKOFF:
-            if now >= slot.restart_at and not self._stopping:
-                slot.start()
-                log.info("%s: restarting (restart %d)", slot.name, slot.restarts)
-            return
-        if slot.state not in (SlotState.STARTING, SlotState.READY):
-            return
-        if exited := slot.exited():
-            rank, code = next(iter(sorted(exited.items())))
-            if code == ExitCode.CANNOT_START and slot.ready_at is None and not slot.restarts:
-                self.fatal = f"{slot.name}: stage {rank} cannot start (see its log)"
-                self.failed.set()
-                return
-            await self._fail(slot, f"stage {rank} exited with status {code}")
-            return
-        cause = await self._probe(slot)
-        if cause:
-            await self._fail(slot, cause)
-            return
-        if slot.state is SlotState.STARTING:
-            if await self._all_ready(slot):
-                slot.state = SlotState.READY
-                slot.ready_at = now
+        d = decide(slot.record, obs, self.policy(slot), now)
+        slot.record = d.record
+        if d.action is Action.START:
+            slot.start()
+            log.info(
+                "%s: starting %d stages (gRPC %s, generation %d)",
+                slot.name,
+                slot.config.stages,
+                slot.grpc_target,
+                slot.generation,
+            )
+        elif d.action is Action.RESTART:
+            await self._stop_failed(slot, d.reason, d.delay_s)
+        elif d.action is Action.FAIL:
+            self.on_down(slot.name, d.reason)
+            await asyncio.to_thread(slot.kill, self.config.kill_grace_s)
+            self.fatal = f"{slot.name}: {d.reason} (see its log)"
+            self.failed.set()
+        elif d.phase is not phase:
+            if d.phase is Phase.READY:
                 self.group_ready.labels(slot.name).set(1)
                 log.info("%s: ready after %.1fs", slot.name, now - slot.started_at)
-            elif now - slot.started_at > slot.config.connect_timeout_s + self.config.ready_margin_s:
-                await self._fail(slot, f"not ready {now - slot.started_at:.0f}s after start")
-        elif slot.ready_at is not None and now - slot.ready_at > self.config.stable_s:
-            slot.failures_in_a_row = 0
+            elif phase is Phase.READY:
+                self.group_ready.labels(slot.name).set(0)
+                self.on_down(slot.name, d.reason)
+                log.warning("%s: %s", slot.name, d.reason)
 
-    async def _probe(self, slot: GroupSlot) -> str | None:
-        """A wedged stage, or one that stopped answering; None when every stage is alive."""
+    async def _probe(self, slot: GroupSlot) -> dict[int, str]:
+        """rank -> why it is wedged (or stopped answering); empty when every stage is alive."""
         c = self.config
         limit = slot.serve.wedge_timeout_s + slot.serve.wedge_grace_s + c.unanswered_margin_s
         for rank in range(slot.config.stages):
             try:
                 r = await self._client.get(slot.health_url(rank) + "/livez")
             except httpx.HTTPError:
-                if slot.state is SlotState.STARTING and time.monotonic() - slot.started_at < c.start_grace_s:
+                starting = slot.record.phase is Phase.STARTING
+                if starting and time.monotonic() - slot.started_at < c.start_grace_s:
                     continue  # the side port opens a moment after the process starts
                 slot.probe_failures[rank] = slot.probe_failures.get(rank, 0) + 1
                 if slot.probe_failures[rank] * (c.interval_s + c.probe_timeout_s) > limit:
-                    return f"stage {rank} has not answered /livez for {limit:.0f}s"
+                    return {rank: f"/livez has not answered for {limit:.0f}s"}
                 continue
             slot.probe_failures[rank] = 0
             if r.status_code == 503:
-                return f"stage {rank} is wedged: {r.json().get('report', '')[:300]}"
-        return None
+                return {rank: r.json().get("report", "")[:300]}
+        return {}
 
-    async def _all_ready(self, slot: GroupSlot) -> bool:
+    async def _ready(self, slot: GroupSlot) -> dict[int, bool]:
+        ready: dict[int, bool] = {}
         for rank in range(slot.config.stages):
             try:
                 r = await self._client.get(slot.health_url(rank) + "/readyz")
             except httpx.HTTPError:
-                return False
-            if r.status_code != 200:
-                return False
-        return True
+                return ready
+            ready[rank] = r.status_code == 200
+            if not ready[rank]:
+                return ready
+        return ready
 
-    async def _fail(self, slot: GroupSlot, cause: str) -> None:
-        if self._stopping:
-            return
-        slot.last_failure = cause
+    async def _stop_failed(self, slot: GroupSlot, cause: str, delay_s: float) -> None:
         self.on_down(slot.name, cause)
         self.group_ready.labels(slot.name).set(0)
         codes = await asyncio.to_thread(slot.kill, self.config.kill_grace_s)
-        slot.restarts += 1
         self.restarts.labels(slot.name).inc()
-        delay = min(self.config.backoff_max_s, self.config.backoff_s * 2**slot.failures_in_a_row)
-        slot.failures_in_a_row += 1
-        slot.state = SlotState.BACKOFF
-        slot.restart_at = time.monotonic() + delay
         log.error(
             "GROUP RESTART: %s: %s; stopped stages %s; restarting in %.1fs (restart %d)",
             slot.name,
             cause,
             codes,
-            delay,
+            delay_s,
             slot.restarts,
         )
 
