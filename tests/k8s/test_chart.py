@@ -22,9 +22,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from chart_support import CHART, Tools, discovery_server, k8s_tools
 from pipeserve_operator.crd import crd_manifest
-
-from conftest import CHART, Tools
 
 EXAMPLE = ["--set", "example.enabled=true"]
 CASES = {
@@ -69,6 +68,11 @@ CASES = {
     ],
 }
 OUR_CRS = {"InferencePipeline"}
+
+
+@pytest.fixture(scope="module")
+def tools() -> Tools:
+    return k8s_tools()
 
 
 def _crd_schema() -> dict:
@@ -117,16 +121,13 @@ def test_rendered_objects_validate(tools: Tools, case: str) -> None:
 @pytest.mark.parametrize(
     "case", ["default", "example", "gpus", "service-monitor", "watch-namespace", "volumes"]
 )
-def test_kubectl_parses_and_maps_every_object(
-    tools: Tools, case: str, discovery_server, tmp_path: Path
-) -> None:
+def test_kubectl_parses_and_maps_every_object(tools: Tools, case: str, tmp_path: Path) -> None:
     objects = tools.objects(*CASES[case])
-    kubeconfig = discovery_server(objects, tmp_path)
-    text = yaml.safe_dump_all(objects)
-    r = tools.run(
-        tools.kubectl, "--kubeconfig", kubeconfig, "create", "--dry-run=client", "--validate=false",
-        "-o", "name", "-f", "-", stdin=text,
-    )  # fmt: skip
+    with discovery_server(objects, tmp_path) as kubeconfig:
+        r = tools.run(
+            tools.kubectl, "--kubeconfig", kubeconfig, "create", "--dry-run=client", "--validate=false",
+            "-o", "name", "-f", "-", stdin=yaml.safe_dump_all(objects),
+        )  # fmt: skip
     want = [
         f"{o['kind'].lower()}{'.' + o['apiVersion'].split('/')[0] if '/' in o['apiVersion'] else ''}/"
         f"{o['metadata']['name']}"

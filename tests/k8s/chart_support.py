@@ -1,6 +1,7 @@
-"""Fixtures of the Kubernetes tests: the real helm and kubectl binaries (`make k8s-tools` puts them in
-.tools/bin), the chart rendered with `helm template`, and `kubectl create --dry-run=client` against a
-discovery-only API endpoint.
+"""Helpers of the chart and image tests: the real helm and kubectl binaries (`make k8s-tools` puts them
+in .tools/bin), the chart rendered with `helm template`, and a discovery-only API endpoint for
+`kubectl create --dry-run=client`. (Not a conftest.py: without __init__.py files a second conftest
+would replace tests/conftest.py as the module `conftest` that other tests import from.)
 
 kubectl's client-side dry run still maps each kind to its resource through the server's discovery
 documents, and no API server runs here; `discovery_server` serves just those documents (legacy
@@ -10,6 +11,8 @@ discovery: /api, /apis, /api/v1, /apis/<group>/<version>) for the kinds it is gi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.server
 import json
 import subprocess
@@ -17,7 +20,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +51,9 @@ class Tools:
         return [o for o in yaml.safe_load_all(out) if o]
 
 
-@pytest.fixture(scope="session")
-def tools() -> Tools:
+@functools.cache
+def k8s_tools() -> Tools:
+    """The binaries, checked once per session (they run)."""
     t = Tools()
     for binary in (t.helm, t.kubectl):
         assert binary.exists(), f"{binary} missing: run `make k8s-tools`"
@@ -106,47 +109,42 @@ def _discovery(objects: list[dict]) -> dict[str, dict]:
     return docs
 
 
-@pytest.fixture
-def discovery_server() -> Iterator:
-    """start(objects) -> a kubeconfig path whose server answers discovery for those objects' kinds."""
-    servers: list[http.server.ThreadingHTTPServer] = []
+@contextlib.contextmanager
+def discovery_server(objects: list[dict], tmp: Path) -> Iterator[Path]:
+    """A kubeconfig whose server answers discovery for the kinds of `objects` (for the block's duration)."""
+    docs = _discovery(objects)
 
-    def start(objects: list[dict], tmp: Path) -> Path:
-        docs = _discovery(objects)
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's name for the GET handler
+            doc = docs.get(self.path.split("?")[0])
+            body = json.dumps(doc if doc is not None else {"kind": "Status", "code": 404}).encode()
+            self.send_response(200 if doc is not None else 404)
+            self.send_header("Content-Type", "application/json")  # legacy discovery, not aggregated
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # http.server's name for the GET handler
-                doc = docs.get(self.path.split("?")[0])
-                body = json.dumps(doc if doc is not None else {"kind": "Status", "code": 404}).encode()
-                self.send_response(200 if doc is not None else 404)
-                self.send_header("Content-Type", "application/json")  # legacy discovery, not aggregated
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def log_message(self, *args: object) -> None:
+            pass
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        servers.append(server)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        kubeconfig = tmp / "kubeconfig"
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "c", "cluster": {"server": url}}],
-                    "contexts": [{"name": "c", "context": {"cluster": "c", "namespace": "ml"}}],
-                    "current-context": "c",
-                    "users": [],
-                }
-            )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp / "kubeconfig"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": url}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "namespace": "ml"}}],
+                "current-context": "c",
+                "users": [],
+            }
         )
-        return kubeconfig
-
-    yield start
-    for s in servers:
-        s.shutdown()
-        s.server_close()
+    )
+    try:
+        yield kubeconfig
+    finally:
+        server.shutdown()
+        server.server_close()
