@@ -96,7 +96,7 @@ def live_group(model_dir: Path, stages: int, log_dir: Path, **serve: object) -> 
     slot.start()
     try:
         for rank in range(stages):
-            wait_http(slot.health_url(rank) + "/readyz", 120, alive=lambda: slot.exited())
+            wait_http(slot.health_url(rank) + "/readyz", 120, alive=lambda: slot.group_exited())
         yield slot
     finally:
         slot.kill(grace_s=5.0)
@@ -201,7 +201,7 @@ def live_slots(config: EngineConfig, names: tuple[str, ...] = ("g0", "g1")) -> I
         for s in slots.values():
             s.start()
         for s in slots.values():
-            wait_http(s.health_url(0) + "/readyz", 120, alive=s.exited)
+            wait_http(s.health_url(0) + "/readyz", 120, alive=s.group_exited)
         yield slots
     finally:
         for s in slots.values():
