@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -309,6 +310,44 @@ class RouterConfig:
         need(self.chat_template is None or bool(self.chat_template), "chat_template", "must not be empty")
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")
+
+
+DISCOVERY_KINDS = ("static", "kubernetes")
+_K8S_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # RFC 1123 label: a namespace or an object name
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """How `pipeserve router` finds its groups: a fixed --upstream list, or an InferencePipeline's status."""
+
+    kind: str = "static"
+    upstream: str | None = None  # static: host:port[,host:port...]
+    namespace: str = "default"  # kubernetes: the InferencePipeline's namespace
+    pipeline: str = ""  # kubernetes: its name
+    # kubernetes: an API server URL used without auth (tests, dev); None: in-cluster, else kubeconfig
+    kube_api: str | None = None
+    watch_timeout_s: float = 60.0  # one watch call's server-side timeout; the client reads at most +request
+    request_timeout_s: float = 10.0  # deadline of a list call, and the margin on a watch's
+    backoff_s: float = 0.5  # after a failed list/watch; doubles per failure in a row
+    backoff_max_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        need = _checker(self)
+        need(self.kind in DISCOVERY_KINDS, "kind", f"must be one of {DISCOVERY_KINDS}")
+        for name in ("watch_timeout_s", "request_timeout_s", "backoff_s", "backoff_max_s"):
+            need(getattr(self, name) > 0, name, "must be > 0")
+        need(self.backoff_max_s >= self.backoff_s, "backoff_max_s", "must be >= backoff_s")
+        if self.kind == "static":
+            need(bool(self.upstream), "upstream", "need at least one host:port (--upstream)")
+            return
+        need(not self.upstream, "upstream", "is for --discover static only")
+        need(bool(re.fullmatch(_K8S_NAME, self.namespace)), "namespace", "must be a Kubernetes name")
+        need(bool(re.fullmatch(_K8S_NAME, self.pipeline)), "pipeline", "must be an InferencePipeline name")
+        need(
+            self.kube_api is None or self.kube_api.startswith(("http://", "https://")),
+            "kube_api",
+            "must be an http(s):// URL",
+        )
 
 
 @dataclass(frozen=True)

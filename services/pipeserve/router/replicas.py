@@ -16,6 +16,20 @@ Contract:
   routable groups; `acquire`/`release` keep the router's own in-flight count per
   group, which least_load reads.
 * Logs one line per readiness change of a group, never per poll.
+
+Dynamic membership (discovery, router/discovery.py): `set_targets(targets)`,
+called inside the loop, makes the set of groups equal `targets`. A new name
+gets a channel and a poller, and is routable once its own Health says ready.
+A removed name leaves routing (and `snapshot`, `limits`, its metrics labels)
+at once; its requests in flight go on, on its channel, and its poller is
+cancelled and its channel closed once they have ended, or after
+`retire_grace_s` (default: first_token_timeout_s + stream_idle_timeout_s)
+whatever is left, so nothing waits unboundedly. A changed target for a name is
+a removal and an addition; a name added back with the same target while it is
+still retiring takes its retiring channel back (its requests still count), but
+is routable again only after a poll says ready. `targets` may be empty (the
+router then answers 503 until a group is ready); `pipeserve up` passes fixed
+targets and never calls set_targets.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -50,43 +65,141 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def check_targets(targets: dict[str, str]) -> None:
+    for name, target in targets.items():
+        if not name or ":" not in target:
+            raise ConfigError(f"targets: expected name -> 'host:port' (got {name!r} -> {target!r})")
+
+
+@dataclass(eq=False)
+class _Link:
+    """One group's connection: its state, channel, stub and poller (kept together while it retires)."""
+
+    state: GroupState
+    channel: grpc.aio.Channel | None = None
+    stub: pb_grpc.GenerationStub | None = None
+    poller: asyncio.Task | None = None
+    closer: asyncio.Task | None = None  # set while it retires
+
+
 class ReplicaSet:
-    def __init__(self, config: RouterConfig, targets: dict[str, str], registry: CollectorRegistry) -> None:
-        if not targets:
-            raise ConfigError("targets: need at least one group")
-        for name, target in targets.items():
-            if not name or ":" not in target:
-                raise ConfigError(f"targets: expected name -> 'host:port' (got {name!r} -> {target!r})")
+    def __init__(
+        self,
+        config: RouterConfig,
+        targets: dict[str, str],
+        registry: CollectorRegistry,
+        retire_grace_s: float | None = None,
+    ) -> None:
+        check_targets(targets)
         self.config = config
+        self.retire_grace_s = (
+            config.first_token_timeout_s + config.stream_idle_timeout_s
+            if retire_grace_s is None
+            else retire_grace_s
+        )
         self.groups = {name: GroupState(name, target) for name, target in targets.items()}
         self.metrics = GroupMetrics(registry)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, pb_grpc.GenerationStub] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._links: dict[str, _Link] = {name: _Link(g) for name, g in self.groups.items()}
+        self._retiring: dict[str, list[_Link]] = {}  # removed names whose requests may still run
+        self._started = False
         self._turn = 0
         for g in self.groups.values():
             self._export(g)
 
     # --- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
-        for name, g in self.groups.items():
-            self._channels[name] = grpc.aio.insecure_channel(g.target, options=CHANNEL_OPTIONS)
-            self._stubs[name] = pb_grpc.GenerationStub(self._channels[name])
-        self._tasks = [
-            asyncio.create_task(self._poll_loop(g), name=f"router-poll-{g.name}")
-            for g in self.groups.values()
-        ]
+        self._started = True
+        for link in self._links.values():
+            self._open(link)
+
+    def _open(self, link: _Link) -> None:
+        g = link.state
+        link.channel = grpc.aio.insecure_channel(g.target, options=CHANNEL_OPTIONS)
+        link.stub = pb_grpc.GenerationStub(link.channel)
+        link.poller = asyncio.create_task(self._poll_loop(g), name=f"router-poll-{g.name}")
 
     async def close(self) -> None:
-        for t in self._tasks:
+        self._started = False
+        links = [*self._links.values(), *(r for rs in self._retiring.values() for r in rs)]
+        tasks = [t for link in links for t in (link.poller, link.closer) if t is not None]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(
-            *(ch.close(grace=None) for ch in self._channels.values()), return_exceptions=True
+            *(link.channel.close(grace=None) for link in links if link.channel is not None),
+            return_exceptions=True,
         )
-        self._channels.clear()
-        self._stubs.clear()
+        for link in links:
+            link.channel = link.stub = link.poller = link.closer = None
+        self._retiring.clear()
+
+    # --- membership ----------------------------------------------------------
+    def set_targets(self, targets: dict[str, str]) -> None:
+        """Make the groups equal `targets` (name -> stage 0's host:port); call inside the loop."""
+        check_targets(targets)
+        for name in [n for n, g in self.groups.items() if targets.get(n) != g.target]:
+            self._remove(name)
+        for name, target in targets.items():
+            if name not in self.groups:
+                self._add(name, target)
+
+    def _add(self, name: str, target: str) -> None:
+        retiring = self._retiring.get(name, [])
+        back = next((r for r in retiring if r.state.target == target), None)
+        if back is not None:  # added back before its requests ended: the same channel, a fresh readiness
+            retiring.remove(back)
+            if not retiring:
+                self._retiring.pop(name, None)
+            if back.closer is not None:
+                back.closer.cancel()
+                back.closer = None
+            link = back
+            link.state.ready = False
+            link.state.status = "added back; waiting for a ready poll"
+            if link.poller is not None:  # poll now, not at the old poller's next turn
+                link.poller.cancel()
+                link.poller = asyncio.create_task(self._poll_loop(link.state), name=f"router-poll-{name}")
+        else:
+            link = _Link(GroupState(name, target))
+            if self._started:
+                self._open(link)
+        self._links[name] = link
+        self.groups[name] = link.state
+        log.info("group %s added (%s)", name, target)
+        self._export(link.state)
+
+    def _remove(self, name: str) -> None:
+        link = self._links.pop(name)
+        g = self.groups.pop(name)
+        log.info("group %s removed from routing (%s; %d in flight)", name, g.target, g.inflight)
+        m = self.metrics
+        for gauge in (m.ready, m.running, m.waiting, m.kv_used, m.kv_total, m.inflight):
+            try:
+                gauge.remove(name)
+            except KeyError:  # never exported
+                pass
+        if link.channel is None:  # not started: nothing to close
+            return
+        self._retiring.setdefault(name, []).append(link)
+        link.closer = asyncio.create_task(self._retire(name, link), name=f"router-retire-{name}")
+
+    async def _retire(self, name: str, link: _Link) -> None:
+        deadline = time.monotonic() + self.retire_grace_s
+        while link.state.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if link.state.inflight > 0:
+            log.warning("group %s: closing with %d requests still in flight", name, link.state.inflight)
+        retiring = self._retiring.get(name, [])
+        if link in retiring:
+            retiring.remove(link)
+        if not retiring:
+            self._retiring.pop(name, None)
+        if link.poller is not None:
+            link.poller.cancel()
+            await asyncio.gather(link.poller, return_exceptions=True)
+        if link.channel is not None:
+            await link.channel.close(grace=None)
+        link.channel = link.stub = link.poller = link.closer = None
 
     async def poll_once(self) -> None:
         """Poll every group now (start-up, tests); the background pollers keep running."""
@@ -114,7 +227,9 @@ class ReplicaSet:
 
     def mark_unready(self, name: str, reason: str) -> None:
         """A Generate call found the group unavailable; the next ready poll brings it back."""
-        g = self.groups[name]
+        g = self.groups.get(name)
+        if g is None:  # removed meanwhile: out of routing already
+            return
         if g.ready:
             g.ready = False
             g.status = reason
@@ -153,17 +268,31 @@ class ReplicaSet:
         return chosen
 
     def stub(self, name: str) -> pb_grpc.GenerationStub:
-        return self._stubs[name]
+        """The group's stub, or a retiring one's (an Abort of its request); KeyError once closed."""
+        link = self._links.get(name)
+        if link is None or link.stub is None:
+            link = next((r for r in reversed(self._retiring.get(name, [])) if r.stub is not None), None)
+        if link is None or link.stub is None:
+            raise KeyError(name)
+        return link.stub
 
     def acquire(self, name: str) -> None:
-        g = self.groups[name]
+        g = self.groups[name]  # only a routable group is picked, so it is current
         g.inflight += 1
         self.metrics.inflight.labels(name).set(g.inflight)
 
     def release(self, name: str) -> None:
-        g = self.groups[name]
-        g.inflight -= 1
-        self.metrics.inflight.labels(name).set(g.inflight)
+        g = self.groups.get(name)
+        if g is None or g.inflight == 0:
+            # A request on a removed group (or on an older target of this name) ended: the
+            # retiring link's count is what lets it close as soon as its last stream ends.
+            old = next((r.state for r in self._retiring.get(name, []) if r.state.inflight > 0), None)
+            if old is not None:
+                old.inflight -= 1
+                return
+        if g is not None:
+            g.inflight = max(0, g.inflight - 1)
+            self.metrics.inflight.labels(name).set(g.inflight)
 
     def limits(self) -> tuple[int, int] | None:
         """(max_model_len, vocab_size) as reported by the groups (the smallest of those that answered)."""
@@ -192,7 +321,10 @@ class ReplicaSet:
 
     async def _poll(self, g: GroupState) -> None:
         sent = time.monotonic()
-        stub = self._stubs.get(g.name)
+        link = self._links.get(g.name)
+        if link is None or link.state is not g:  # retiring: its state no longer routes anything
+            link = next((r for r in self._retiring.get(g.name, []) if r.state is g), None)
+        stub = link.stub if link is not None else None
         if stub is None:
             return
         was = g.routable
@@ -238,6 +370,8 @@ class ReplicaSet:
         self._export(g)
 
     def _export(self, g: GroupState) -> None:
+        if self.groups.get(g.name) is not g:  # removed (retiring): its labels are gone for good
+            return
         m = self.metrics
         m.ready.labels(g.name).set(1 if g.routable else 0)
         m.running.labels(g.name).set(g.running)

@@ -1,13 +1,18 @@
 """`pipeserve router`: the router as its own process (what a router Deployment runs).
 
     pipeserve router --upstream HOST:PORT[,HOST:PORT...] --model DIR [RouterConfig flags]
+    pipeserve router --discover kubernetes [--namespace NS] --pipeline NAME --model DIR [...]
 
 `--model` (or `--tokenizer`) is a directory with the tokenizer files only —
 tokenizer.json, tokenizer_config.json, the chat template; the router never
 loads weights. Each upstream is one group's stage 0 (its gRPC port), polled
 like the groups of `pipeserve up` (the same ReplicaSet and app): a group that
 is not ready, or not answering, leaves routing until its polls say ready again.
-Discovery is static here; Kubernetes discovery comes with the operator.
+Discovery (router/discovery.py) says which groups exist: `--discover static`
+(the default with --upstream) or `kubernetes` (an InferencePipeline's Ready
+groups, followed as they change without a restart; `--namespace` defaults to
+the pod's own namespace). Env: PIPESERVE_UPSTREAM, PIPESERVE_DISCOVER,
+PIPESERVE_NAMESPACE, PIPESERVE_PIPELINE. Bad settings exit 2 (ConfigError).
 SIGTERM/SIGINT: uvicorn's graceful shutdown, streams ended just before it.
 """
 
@@ -22,8 +27,15 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
 
-from pipeserve.config import RouterConfig, add_config_args, config_from_args
+from pipeserve.config import (
+    DISCOVERY_KINDS,
+    DiscoveryConfig,
+    RouterConfig,
+    add_config_args,
+    config_from_args,
+)
 from pipeserve.errors import ConfigError, ExitCode
+from pipeserve.router.discovery import Discovery, Static, upstream_targets
 
 _FIXED = {"model"}
 
@@ -42,25 +54,52 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("PIPESERVE_UPSTREAM"),
         help="every group's stage 0 gRPC address, comma-separated: host:port[,host:port...]",
     )
+    r.add_argument(
+        "--discover",
+        choices=DISCOVERY_KINDS,
+        default=os.environ.get("PIPESERVE_DISCOVER") or None,
+        help="where the groups come from (default: static, the --upstream list)",
+    )
+    r.add_argument(
+        "--namespace",
+        default=os.environ.get("PIPESERVE_NAMESPACE") or None,
+        help="kubernetes: the InferencePipeline's namespace (default: this pod's, else 'default')",
+    )
+    r.add_argument(
+        "--pipeline", default=os.environ.get("PIPESERVE_PIPELINE", ""), help="kubernetes: its name"
+    )
+    r.add_argument("--kube-api", default=None, help="kubernetes: API server URL, no auth (tests, dev)")
     r.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM: let responses finish")
     add_config_args(r, RouterConfig, skip=_FIXED)
     r.set_defaults(func=run_router)
 
 
-def upstream_targets(text: str | None) -> dict[str, str]:
-    """'h:p,h:p' -> {"group-0": "h:p", ...}, each checked."""
-    if not text:
-        raise ConfigError("upstream: need at least one host:port (--upstream or PIPESERVE_UPSTREAM)")
-    targets = {}
-    for i, part in enumerate(p.strip() for p in text.split(",")):
-        host, _, port = part.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"upstream: expected host:port (got {part!r})")
-        targets[f"group-{i}"] = part
-    return targets
+def discovery_config(args: argparse.Namespace) -> DiscoveryConfig:
+    kind = args.discover or "static"
+    if kind == "static":
+        upstream_targets(args.upstream)  # the precise message for a bad host:port
+        return DiscoveryConfig(kind=kind, upstream=args.upstream)
+    from pipeserve.router.discovery_k8s import pod_namespace  # stdlib only until run
+
+    return DiscoveryConfig(
+        kind=kind,
+        upstream=args.upstream or None,
+        namespace=args.namespace or pod_namespace(),
+        pipeline=args.pipeline,
+        kube_api=args.kube_api,
+    )
 
 
-async def serve_router(config: RouterConfig, targets: dict[str, str], drain_timeout_s: float) -> int:
+def make_discovery(config: DiscoveryConfig) -> Discovery:
+    """The discovery `config` names; the kubernetes client is imported only when asked for."""
+    if config.kind == "static":
+        return Static(upstream_targets(config.upstream))
+    from pipeserve.router.discovery_k8s import Kubernetes
+
+    return Kubernetes(config)
+
+
+async def serve_router(config: RouterConfig, discovery: Discovery, drain_timeout_s: float) -> int:
     from pipeserve.router.app import build_app
     from pipeserve.router.http_guard import RouterServer, server_config
     from pipeserve.router.replicas import ReplicaSet
@@ -71,7 +110,7 @@ async def serve_router(config: RouterConfig, targets: dict[str, str], drain_time
             yield  # the loop's handlers below decide: a second signal skips the drain
 
     registry = CollectorRegistry()
-    replicas = ReplicaSet(config, targets, registry)
+    replicas = ReplicaSet(config, {}, registry)
     app = build_app(config, replicas, registry)
     server = Server(server_config(app, config, timeout_graceful_shutdown=drain_timeout_s))
 
@@ -83,9 +122,12 @@ async def serve_router(config: RouterConfig, targets: dict[str, str], drain_time
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     await replicas.start()
+    watcher = asyncio.create_task(discovery.run(replicas.set_targets), name="router-discovery")
     try:
         await server.serve()
     finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         await replicas.close()
     return ExitCode.OK
 
@@ -96,4 +138,5 @@ def run_router(args: argparse.Namespace) -> int:
     if args.drain_timeout_s < 0:
         raise ConfigError(f"drain_timeout_s: must be >= 0 (got {args.drain_timeout_s})")
     config = config_from_args(RouterConfig, args, skip=_FIXED, model=args.model)
-    return asyncio.run(serve_router(config, upstream_targets(args.upstream), args.drain_timeout_s))
+    discovery = make_discovery(discovery_config(args))
+    return asyncio.run(serve_router(config, discovery, args.drain_timeout_s))
