@@ -49,6 +49,9 @@ def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     # Progress and the last handled spec live in annotations: status belongs to the timer alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pipeserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pipeserve.io")
+    # No scanning: the CRD is installed before the operator (the chart), and the watched namespaces
+    # are named, so the operator needs no cluster-wide list/watch of namespaces and CRDs.
+    settings.scanning.disabled = True
     settings.posting.level = logging.WARNING  # Events: ours (restarts, failures), not every handler's success
 
 

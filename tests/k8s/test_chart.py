@@ -290,7 +290,8 @@ def test_rbac_is_exactly_what_is_used(tools: Tools, watch: str) -> None:
         o for o in objects if o["metadata"]["name"] == "rel-pipeserve-operator" and o["kind"] == "Deployment"
     )
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:2] == (["--namespace", watch] if watch else ["--all-namespaces", "--liveness"])
+    where = ["--namespace", watch, "--lease-namespace", watch] if watch else ["--all-namespaces"]
+    assert args == [*where, "--liveness-port", "8080"]
 
 
 def test_network_policies(tools: Tools) -> None:

@@ -1,0 +1,173 @@
+"""The operator (kopf, real handlers) against kmock's KubernetesEmulator, in loop time (looptime).
+
+A CR ⇒ per-group StatefulSets (Parallel, OnDelete, replicas = stages) and headless Services with
+owner references; scale 1 → 3 → 1 through spec.replicas (what the scale subresource writes); one
+pod's container restart ⇒ every pod of the group deleted exactly once, the template's generation
+bumped, status.restarts and a GroupRestart Event; a StatefulSet controller that recreates pods from
+a stale template neither causes a second restart nor gets a mixed group counted ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import kmock
+import kopf
+import pytest
+from k8s_support import (
+    CR,
+    NS,
+    PODS,
+    STS,
+    SVC,
+    SimulatedStatefulSetController,
+    declare_resources,
+    deletions,
+    eventually,
+    live,
+    running,
+)
+from pipeserve_operator.kube import Kube, api_client
+from pipeserve_operator.main import make_memo
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
+UID = "0f5c3a52-7d0e-4a1e-9d55-6b1a3f3c2e10"
+GEN = "pipeserve.io/group-generation"
+
+
+def pipeline(replicas: int = 1, stages: int = 2) -> dict:
+    return {
+        "apiVersion": "pipeserve.io/v1alpha1",
+        "kind": "InferencePipeline",
+        "metadata": {"name": "p", "namespace": NS, "uid": UID, "generation": 1, "resourceVersion": "1"},
+        "spec": {
+            "model": {"path": "/models/demo", "persistentVolumeClaim": "weights"},
+            "image": "pipeserve/stage:test",
+            "stages": stages,
+            "replicas": replicas,
+            "engine": {"max-num-seqs": 8, "dtype": "float32"},
+            "hicache": {"secretRef": {"name": "redis"}},
+            "nccl": {"socketIfname": "eth0"},
+            "restartBackoffSeconds": 1,
+            "startupDeadlineSeconds": 120,
+        },
+    }
+
+
+@contextlib.asynccontextmanager
+async def operator(k: kmock.KubernetesEmulator, body: dict):
+    declare_resources(k)
+    k.objects[CR, NS, "p"] = body
+    url = str(k.url)
+
+    @kopf.on.login()
+    def login(**_: object) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=url, insecure=True)
+
+    memo = make_memo(Kube(api_client(url)), drain_s=5.0)
+    memo.clock = asyncio.get_running_loop().time  # backoffs and deadlines in loop time
+    stop = asyncio.Event()
+    task = asyncio.create_task(kopf.operator(standalone=True, namespaces=[NS], memo=memo, stop_flag=stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def cr(k: kmock.KubernetesEmulator) -> dict:
+    return k.objects[CR, NS, "p"].raw
+
+
+def groups(k: kmock.KubernetesEmulator) -> list[dict]:
+    return (cr(k).get("status") or {}).get("groups") or []
+
+
+def group_ready(k: kmock.KubernetesEmulator, index: int = 0) -> bool:
+    return any(g["index"] == index and g["ready"] for g in groups(k))
+
+
+async def test_cr_creates_groups_and_scales(kmock: kmock.KubernetesEmulator) -> None:
+    async with operator(kmock, pipeline(replicas=1)):
+        await eventually(lambda: "p-g0" in live(kmock, STS) and "p-g0" in live(kmock, SVC))
+        sts = live(kmock, STS)["p-g0"]
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert sts["spec"]["replicas"] == 2
+        assert sts["metadata"]["ownerReferences"][0]["uid"] == UID
+        pod = sts["spec"]["template"]
+        assert pod["metadata"]["labels"][GEN] == "1"
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        assert env["MASTER_ADDR"]["value"] == "p-g0-0.p-g0.ml.svc"
+        assert env["PIPESERVE_WORLD_SIZE"]["value"] == "2"
+        assert env["PIPESERVE_HICACHE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "url"}
+        assert env["NCCL_SOCKET_IFNAME"]["value"] == "eth0"
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--max-num-seqs") + 1] == "8"
+        svc = live(kmock, SVC)["p-g0"]
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+        assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
+
+        kmock.objects[CR, NS, "p"].patch({"spec": {"replicas": 3}})  # what `kubectl scale` writes
+        await eventually(lambda: set(live(kmock, STS)) == {"p-g0", "p-g1", "p-g2"})
+        await eventually(lambda: [g["index"] for g in groups(kmock)] == [0, 1, 2])
+        assert cr(kmock)["status"]["selector"].startswith("app.kubernetes.io/name=pipeserve")
+
+        kmock.objects[CR, NS, "p"].patch({"spec": {"replicas": 1}})
+        # Out of routing (status) first, the objects only after the drain period.
+        await eventually(lambda: [g["index"] for g in groups(kmock)] == [0], step=0.1)
+        assert "p-g2" in live(kmock, STS)
+        await eventually(lambda: set(live(kmock, STS)) == {"p-g0"})
+        assert set(live(kmock, SVC)) == {"p-g0"}
+
+
+async def test_restart_deletes_the_whole_group_once(kmock: kmock.KubernetesEmulator) -> None:
+    controller = SimulatedStatefulSetController(kmock)
+    async with operator(kmock, pipeline()), running(controller.run()):
+        await eventually(lambda: group_ready(kmock))
+        kmock.objects[PODS, NS, "p-g0-1"].patch(
+            {"status": {"containerStatuses": [{"name": "stage", "restartCount": 1, "lastState": {}}]}}
+        )
+        await eventually(lambda: deletions(kmock, "p-g0-0") >= 1 and deletions(kmock, "p-g0-1") >= 1)
+        await eventually(lambda: group_ready(kmock))
+        await asyncio.sleep(10)
+        assert deletions(kmock, "p-g0-0") == 1 and deletions(kmock, "p-g0-1") == 1
+        assert live(kmock, STS)["p-g0"]["spec"]["template"]["metadata"]["labels"][GEN] == "2"
+        assert {p["metadata"]["labels"][GEN] for p in live(kmock, PODS).values()} == {"2"}
+        status = cr(kmock)["status"]
+        assert status["restarts"] == 1 and status["groups"][0]["restarts"] == 1
+        assert "stage 1" in status["groups"][0]["lastFailure"]
+        events = [e for e in live(kmock, "v1/events").values() if e.get("reason") == "GroupRestart"]
+        assert len(events) == 1 and "stage 1" in events[0]["message"]
+
+
+async def test_stale_recreation_neither_restarts_nor_counts_ready(kmock: kmock.KubernetesEmulator) -> None:
+    controller = SimulatedStatefulSetController(kmock, period_s=0.2)
+    mixed: list[dict] = []
+
+    async def watch_readiness() -> None:
+        while True:
+            for g in groups(kmock):
+                pods = [p for n, p in live(kmock, PODS).items() if n.startswith(f"p-g{g['index']}-")]
+                if g["ready"] and any(p["metadata"]["labels"][GEN] != str(g["generation"]) for p in pods):
+                    mixed.append({"group": g, "pods": [p["metadata"]["labels"] for p in pods]})
+            await asyncio.sleep(0.05)
+
+    async with operator(kmock, pipeline()), running(controller.run()), running(watch_readiness()):
+        await eventually(lambda: group_ready(kmock))
+        controller.stale_template = True  # from now on it recreates pods from the generation-1 template
+        kmock.objects[PODS, NS, "p-g0-0"].patch(
+            {"status": {"containerStatuses": [{"name": "stage", "restartCount": 1, "lastState": {}}]}}
+        )
+        await eventually(lambda: cr(kmock)["status"]["restarts"] == 1)
+        await asyncio.sleep(15)  # stale pods come back and are deleted again, several times
+        assert not group_ready(kmock) and cr(kmock)["status"]["readyReplicas"] == 0
+        assert deletions(kmock, "p-g0-0") >= 2  # the stale recreations were deleted
+        controller.stale_template = False
+        await eventually(lambda: group_ready(kmock))
+        await asyncio.sleep(5)
+        assert cr(kmock)["status"]["restarts"] == 1 and cr(kmock)["status"]["groups"][0]["generation"] == 2
+        events = [e for e in live(kmock, "v1/events").values() if e.get("reason") == "GroupRestart"]
+        assert len(events) == 1
+    assert not mixed, mixed[:3]
