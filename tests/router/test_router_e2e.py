@@ -165,7 +165,7 @@ def test_killed_group_is_retried_elsewhere_then_503_when_none_is_left(
 ) -> None:
     """Last in this module: it kills the groups."""
     slots["g0"].group.procs[0].send_signal(signal.SIGKILL)  # type: ignore[union-attr]
-    wait_until(lambda: slots["g0"].exited(), 10, "g0 exited")
+    wait_until(lambda: slots["g0"].group_exited(), 10, "g0 exited")
     before = metric(httpx.get(router.url + "/metrics").text, "pipeserve_router_retries_total")
     for _ in range(3):  # round-robin: one of these picks the dead group first
         r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
