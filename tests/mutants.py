@@ -549,11 +549,30 @@ MUTANTS = [
         "        if False:",
         "tests/care/test_restarts.py",
     ),
+    (
+        "operator deletes only the failed pod, not its group",
+        "services/operator/groups.py",
+        "    victims = doomed(pods, decision)",
+        "    victims = [p for p in doomed(pods, decision)"
+        " if p['status']['containerStatuses'][0]['restartCount']]",
+        "tests/k8s/test_operator.py -k whole_group",
+    ),
+    (
+        "old-generation pods count toward a group's readiness",
+        "services/pipeserve/care/restarts.py",
+        "    current = {s.rank: s for s in obs.stages if s.generation == record.generation}",
+        "    current = {s.rank: s for s in obs.stages}",
+        "tests/k8s/test_operator.py -k stale",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
 # Import name -> its folder in the tree (pyproject.toml's package-dir).
-PACKAGES = {"pipeserve": "services/pipeserve", "pipeserve_kernels": "kernels"}
+PACKAGES = {
+    "pipeserve": "services/pipeserve",
+    "pipeserve_kernels": "kernels",
+    "pipeserve_operator": "services/operator",
+}
 
 
 def copy_tree(dest: pathlib.Path) -> None:

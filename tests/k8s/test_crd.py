@@ -1,0 +1,134 @@
+"""The InferencePipeline CRD: a valid apiextensions.k8s.io/v1 object (Kubernetes 1.35 schemas, strict),
+examples checked against its own openAPIV3Schema, `with_defaults` filling the schema's defaults, the
+builders' output valid against the core schemas, and engine flags checked against the stage's parser.
+CEL rules are checked by the API server only: the same rules are re-checked here by the builders."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import kubernetes_validate
+import pytest
+from pipeserve_operator.crd import crd_manifest, spec_schema, with_defaults
+from pipeserve_operator.resources import SpecError, engine_args, stage_service, stage_statefulset
+
+K8S = "1.35"
+EXAMPLE = {
+    "apiVersion": "pipeserve.io/v1alpha1",
+    "kind": "InferencePipeline",
+    "metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"},
+    "spec": {
+        "model": {"path": "/models/demo", "persistentVolumeClaim": "weights"},
+        "image": "pipeserve/stage:0.1.0",
+        "stages": 2,
+        "replicas": 2,
+        "resources": {"limits": {"nvidia.com/gpu": 1}, "requests": {"cpu": "2", "memory": "8Gi"}},
+        "layerSplit": [3, 5],
+        "engine": {"max-num-seqs": 16, "dtype": "float32", "enable-prefix-caching": True},
+        "hicache": {"url": "redis://redis:6379/0", "hostCacheGB": 4},
+        "router": {"policy": "prefix_affinity"},
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "env": [{"name": "PIPESERVE_LOG_LEVEL", "value": "DEBUG"}],
+        "nccl": {"socketIfname": "eth0", "debug": "WARN"},
+    },
+}
+
+
+def schema_validator() -> jsonschema.Draft4Validator:
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft4Validator(schema)  # OpenAPI v3.0: boolean exclusiveMinimum
+
+
+def test_crd_is_a_valid_kubernetes_object() -> None:
+    kubernetes_validate.validate(crd_manifest(), K8S, strict=True)
+    version = crd_manifest()["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Stages",
+        "Replicas",
+        "Ready",
+        "Restarts",
+        "Age",
+    ]
+
+
+def test_example_validates_and_builds_valid_objects() -> None:
+    schema_validator().validate(EXAMPLE)
+    kubernetes_validate.validate(stage_statefulset(EXAMPLE, 1, 3), K8S, strict=True)
+    kubernetes_validate.validate(stage_service(EXAMPLE, 1), K8S, strict=True)
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("spec", "stages"), 0),
+        (("spec", "stages"), 65),
+        (("spec", "replicas"), -1),
+        (("spec", "imagePullPolicy"), "Sometimes"),
+        (("spec", "router", "policy"), "random"),
+        (("spec", "restartBackoffSeconds"), 0),
+        (("spec", "layerSplit"), [0, 8]),
+        (("spec", "model", "path"), ""),
+        (("spec", "env"), [{"value": "no name"}]),
+        (("spec", "image"), None),
+    ],
+)
+def test_invalid_specs_are_rejected(path: tuple[str, ...], value: object) -> None:
+    bad = copy.deepcopy(EXAMPLE)
+    target = bad
+    for key in path[:-1]:
+        target = target[key]
+    if value is None:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        schema_validator().validate(bad)
+
+
+def test_rules_the_schema_cannot_say_are_cel_and_builder_checks() -> None:
+    rules = str(crd_manifest())
+    for rule in (
+        "size(self.layerSplit) == self.stages",
+        "has(self.persistentVolumeClaim) && has(self.hostPath)",
+    ):
+        assert rule in rules
+    bad = copy.deepcopy(EXAMPLE)
+    bad["spec"]["layerSplit"] = [8]
+    with pytest.raises(SpecError, match="layerSplit"):
+        stage_statefulset(bad, 0, 1)
+    bad = copy.deepcopy(EXAMPLE)
+    bad["spec"]["model"]["hostPath"] = "/data"
+    with pytest.raises(SpecError, match="mutually exclusive"):
+        stage_statefulset(bad, 0, 1)
+
+
+def test_with_defaults_fills_the_schema_defaults() -> None:
+    spec = with_defaults({"model": {"path": "/m"}, "image": "i", "hicache": {"secretRef": {"name": "s"}}})
+    assert spec["stages"] == 1 and spec["replicas"] == 1 and spec["imagePullPolicy"] == "IfNotPresent"
+    assert spec["model"]["mountPath"] == "/models" and spec["router"] == {"policy": "round_robin"}
+    assert spec["hicache"]["secretRef"]["key"] == "url"
+    assert (spec["wedgeTimeoutSeconds"], spec["startupDeadlineSeconds"]) == (60, 900)
+    assert spec["restartBackoffSeconds"] == spec_schema()["properties"]["restartBackoffSeconds"]["default"]
+    assert with_defaults({"stages": 4, "model": {"path": "/m", "mountPath": "/w"}})["stages"] == 4
+
+
+@pytest.mark.parametrize(
+    "engine, error",
+    [
+        ({"no-such-flag": 1}, "not a `pipeserve stage` flag"),
+        ({"world-size": 4}, "set by the operator"),
+        ({"max-num-seqs": True}, "takes a value"),
+        ({"enable-prefix-caching": "yes"}, "not a valid value"),
+    ],
+)
+def test_engine_flags_are_checked_against_the_stage_parser(engine: dict, error: str) -> None:
+    with pytest.raises(SpecError, match=error):
+        engine_args(engine)
+
+
+def test_engine_flags_map_to_arguments() -> None:
+    args = engine_args({"max-num-seqs": 16, "dtype": "float32", "enable-prefix-caching": False})
+    assert args == ["--max-num-seqs", "16", "--dtype", "float32", "--no-enable-prefix-caching"]
