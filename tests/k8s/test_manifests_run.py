@@ -96,6 +96,11 @@ def _router_argv(tokenizer: Path, port: int, upstream: str) -> list[str]:
     return [str(BIN / "pipeserve"), "router", *args]
 
 
+def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -126,18 +131,12 @@ def test_rendered_stage_and_router_commands_serve(llama_dir: Path, tmp_path: Pat
     try:
         for rank in range(2):
             argv, env = _stage_argv_env(container, rank, llama_dir, ports[rank])
-            procs.append(
-                subprocess.Popen(
-                    argv, env={**base_env, **env}, stdout=open(logs[rank], "wb"), stderr=subprocess.STDOUT
-                )
-            )
+            procs.append(_spawn(argv, {**base_env, **env}, logs[rank]))
         for rank in range(2):
             wait_http(f"http://127.0.0.1:{ports[rank]['health']}/readyz", 180, alive=alive)
         port = free_port()
         argv = _router_argv(llama_dir, port, f"127.0.0.1:{ports[0]['grpc']}")
-        procs.append(
-            subprocess.Popen(argv, env=base_env, stdout=open(logs[2], "wb"), stderr=subprocess.STDOUT)
-        )
+        procs.append(_spawn(argv, base_env, logs[2]))
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60, alive=alive)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
