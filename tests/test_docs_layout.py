@@ -17,7 +17,7 @@ def _folders(root: Path) -> set[str]:
 
 def _named(text: str) -> set[str]:
     """Folders named as `name/` or `parent/name/` (the last part)."""
-    return set(re.findall(r"`(?:[a-z_]+/)*([a-z_]+)/`", text))
+    return set(re.findall(r"`(?:[a-z0-9_]+/)*([a-z0-9_]+)/`", text))
 
 
 def _row(text: str, head: str) -> str:
