@@ -11,7 +11,7 @@
 Deletion: every object carries an owner reference to the resource; the cluster's garbage collector
 removes them with it, so there is no deletion handler (and no finalizer).
 Operator-wide state is in kopf's memo: `kube` (kube.Kube), `clock` (wall time: records persist across
-operator restarts), `drain_s`.
+operator restarts), `drain_s`, `drains` (when each scale-down's drain began).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ async def _ensure_group(kube: Kube, body: dict[str, Any], index: int, entry: dic
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-async def reconcile(body: Any, status: Any, memo: Any, runtime: Any, logger: Any, **_: Any) -> None:
+async def reconcile(body: Any, status: Any, memo: Any, logger: Any, **_: Any) -> None:
     body = {"metadata": dict(body["metadata"]), "spec": dict(body["spec"])}
     replicas = with_defaults(body["spec"])["replicas"]
     entries = _entries(status)
@@ -93,9 +93,13 @@ async def reconcile(body: Any, status: Any, memo: Any, runtime: Any, logger: Any
     routed = [i for i in entries if i >= replicas]
     if routed:
         raise kopf.TemporaryError(f"groups {routed} still listed in status (routed)", delay=TICK_S)
-    waited = runtime.total_seconds()
+    # Drain time on the operator's clock, from when the groups were first seen out of routing (kept in
+    # memory: an operator restart starts the drain over, which only makes it longer).
+    key = (body["metadata"].get("uid"), tuple(extra))
+    waited = memo.clock() - memo.drains.setdefault(key, memo.clock())
     if waited < memo.drain_s:
-        raise kopf.TemporaryError(f"draining groups {extra}", delay=memo.drain_s - waited)
+        raise kopf.TemporaryError(f"draining groups {extra}", delay=min(TICK_S, memo.drain_s - waited))
+    memo.drains.pop(key, None)
     for index in reversed(extra):
         logger.info(f"scale down: removing group {index}")
         await memo.kube.delete_statefulset(ns, group_name(body, index))

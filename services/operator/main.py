@@ -56,7 +56,7 @@ def configure(settings: kopf.OperatorSettings, **_: object) -> None:
 
 
 def make_memo(kube: Kube, drain_s: float) -> kopf.Memo:
-    return kopf.Memo(kube=kube, clock=time.time, drain_s=drain_s)
+    return kopf.Memo(kube=kube, clock=time.time, drain_s=drain_s, drains={})
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import time
 from typing import Any
 
 import kmock
@@ -118,11 +119,13 @@ async def running(coro: Any):
             await task
 
 
-async def eventually(check: Any, timeout: float = 60.0, step: float = 0.5) -> None:
-    """Wait (loop time) until `check()` is truthy; fail with its last value at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+async def eventually(check: Any, timeout: float = 60.0, step: float = 0.5, wall: bool = False) -> None:
+    """Wait until `check()` is truthy; fail at the deadline: loop time, or wall time when `wall`
+    (kopf's retry delays, `TemporaryError(delay=…)`, are kept in wall-clock time, which looptime does
+    not compress)."""
+    clock = time.monotonic if wall else asyncio.get_running_loop().time
+    deadline = clock() + timeout
     while not check():
-        if loop.time() > deadline:
+        if clock() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(step)

@@ -116,9 +116,9 @@ async def test_cr_creates_groups_and_scales(kmock: kmock.KubernetesEmulator) -> 
 
         kmock.objects[CR, NS, "p"].patch({"spec": {"replicas": 1}})
         # Out of routing (status) first, the objects only after the drain period.
-        await eventually(lambda: [g["index"] for g in groups(kmock)] == [0], step=0.1)
+        await eventually(lambda: [g["index"] for g in groups(kmock)] == [0], step=0.1, timeout=30, wall=True)
         assert "p-g2" in live(kmock, STS)
-        await eventually(lambda: set(live(kmock, STS)) == {"p-g0"})
+        await eventually(lambda: set(live(kmock, STS)) == {"p-g0"}, timeout=30, wall=True)
         assert set(live(kmock, SVC)) == {"p-g0"}
 
 
