@@ -114,9 +114,6 @@ class Kube:
     async def create_service(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.core.create_namespaced_service, ns, body)
 
-    async def patch_service(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.patch_namespaced_service, name, ns, patch, _content_type=MERGE)
-
     async def delete_service(self, ns: str, name: str) -> None:
         try:
             await self._call(self.core.delete_namespaced_service, name, ns)

@@ -5,9 +5,9 @@
 Without --standalone, the operator first wins the Lease `pipeserve-operator` (leader.py) in its own
 namespace (POD_NAMESPACE, else --lease-namespace, else the watched namespace), then runs kopf while
 renewing it; when it cannot renew for a whole lease duration it stops kopf and exits 1 (the pod
-restarts and campaigns again). Liveness: `http://0.0.0.0:<port>/healthz` (kopf's probe endpoint),
-served only while kopf runs; a candidate waiting for the Lease has no liveness endpoint, so the
-Deployment's probe should have a generous initialDelay or the operator a single replica per Lease.
+restarts and campaigns again). Liveness: `http://0.0.0.0:<port>/healthz` — kopf's probe endpoint
+while it runs; a standby waiting for the Lease serves its own /healthz on the same port (a standby
+is alive: without it the Deployment's liveness probe would restart every standby replica).
 kopf's own peering is off (`standalone=True` for kopf): the Lease is the only election.
 """
 
@@ -22,6 +22,7 @@ import sys
 import time
 
 import kopf
+from aiohttp import web
 from pipeserve_operator import handlers  # noqa: F401  (registers the handlers)
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.leader import LeaseElector
@@ -76,8 +77,12 @@ async def _run(args: argparse.Namespace) -> int:
     ns = args.lease_namespace or args.namespace or "default"
     identity = os.environ.get("POD_NAME") or socket.gethostname()
     elector = LeaseElector(kube, ns, LEASE_NAME, identity, args.lease_seconds, args.renew_seconds)
-    while not await elector.try_acquire():
-        await asyncio.sleep(args.renew_seconds)
+    standby = await _standby_liveness(args.liveness_port)
+    try:
+        while not await _campaign(elector):
+            await asyncio.sleep(args.renew_seconds)
+    finally:
+        await standby.cleanup()  # the port is kopf's from here on
     log.info("leader: %s holds lease %s/%s", identity, ns, LEASE_NAME)
     task = asyncio.create_task(operator)
     while not task.done():
@@ -93,6 +98,26 @@ async def _run(args: argparse.Namespace) -> int:
             return 1
     await task
     return 0
+
+
+async def _campaign(elector: LeaseElector) -> bool:
+    try:
+        return await elector.try_acquire()
+    except Exception as e:  # noqa: BLE001  (an API server not answering yet: campaign again later)
+        log.warning("lease campaign failed: %s", e)
+        return False
+
+
+async def _standby_liveness(port: int) -> web.AppRunner:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"standby": True})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
 
 
 def main(argv: list[str] | None = None) -> int:

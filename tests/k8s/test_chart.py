@@ -245,18 +245,19 @@ def test_every_pod_is_locked_down(tools: Tools, case: str) -> None:
             )
 
 
+# What the operator calls (services/operator/kube.py, kopf's watch, finalizer and status patches, its
+# Events) and what the router's discovery calls (list + watch of one InferencePipeline).
 OPERATOR_RULES = {
-    ("pipeserve.io", "inferencepipelines"): ["get", "list", "watch", "patch"],
-    ("pipeserve.io", "inferencepipelines/status"): ["get", "patch", "update"],
-    ("apps", "statefulsets"): ["get", "list", "watch", "create", "patch", "delete"],
-    ("", "services"): ["get", "list", "watch", "create", "patch", "delete"],
-    ("", "pods"): ["get", "list", "watch", "delete"],
-    ("", "events"): ["create", "patch"],
-    ("coordination.k8s.io", "leases"): ["get", "create", "update"],
+    ("pipeserve.io", "inferencepipelines"): ["list", "watch", "patch"],
+    ("pipeserve.io", "inferencepipelines/status"): ["patch"],
+    ("apps", "statefulsets"): ["get", "list", "create", "patch", "delete"],
+    ("", "services"): ["get", "create", "delete"],
+    ("", "pods"): ["list", "delete"],
+    ("", "events"): ["create"],
+    ("coordination.k8s.io", "leases"): ["get", "create", "patch"],
 }
 ROUTER_RULES = {
-    ("pipeserve.io", "inferencepipelines"): ["get", "list", "watch"],
-    ("", "pods"): ["get", "list", "watch"],
+    ("pipeserve.io", "inferencepipelines"): ["list", "watch"],
 }
 
 

@@ -37,3 +37,23 @@ async def test_one_holder_and_takeover_after_expiry(kmock: kmock.KubernetesEmula
 def test_renew_period_must_be_shorter_than_the_lease() -> None:
     with pytest.raises(ValueError):
         LeaseElector(None, NS, "l", "me", lease_s=5, renew_s=5)  # type: ignore[arg-type]
+
+
+async def test_a_standby_answers_liveness_and_frees_the_port() -> None:
+    # A standby waiting for the Lease is alive (the Deployment's probe must not restart it); once it
+    # leads, kopf's own liveness endpoint takes the same port.
+    import httpx
+    from pipeserve_operator.main import _standby_liveness
+
+    from pipeserve.care.launcher import free_port
+
+    port = free_port()
+    runner = await _standby_liveness(port)
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            r = await client.get(f"http://127.0.0.1:{port}/healthz")
+        assert r.status_code == 200 and r.json() == {"standby": True}
+    finally:
+        await runner.cleanup()
+    again = await _standby_liveness(port)  # the port is free again
+    await again.cleanup()
