@@ -29,6 +29,7 @@ from pipeserve_operator.resources import (
     GROUP_LABEL,
     SpecError,
     group_name,
+    group_network_policy,
     pipeline_selector,
     selector_string,
     stage_service,
@@ -49,10 +50,14 @@ def _entries(status: Any) -> dict[int, dict[str, Any]]:
     return {int(g["index"]): dict(g) for g in (status or {}).get("groups") or [] if "index" in g}
 
 
-async def _ensure_group(kube: Kube, body: dict[str, Any], index: int, entry: dict[str, Any] | None) -> None:
+async def _ensure_group(
+    kube: Kube, body: dict[str, Any], index: int, entry: dict[str, Any] | None, network_policies: bool
+) -> None:
     ns, name = body["metadata"]["namespace"], group_name(body, index)
     if await kube.get_service(ns, name) is None:
         await kube.create_service(ns, stage_service(body, index))
+    if network_policies and await kube.get_network_policy(ns, name) is None:
+        await kube.create_network_policy(ns, group_network_policy(body, index))
     live = await kube.get_statefulset(ns, name)
     record = groups.load_record(entry, "")
     desired = stage_statefulset(body, index, max(1, record.generation))
@@ -82,7 +87,7 @@ async def reconcile(body: Any, status: Any, memo: Any, logger: Any, **_: Any) ->
     entries = _entries(status)
     try:
         for index in range(replicas):
-            await _ensure_group(memo.kube, body, index, entries.get(index))
+            await _ensure_group(memo.kube, body, index, entries.get(index), memo.network_policies)
     except SpecError as e:
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     ns = body["metadata"]["namespace"]
@@ -104,6 +109,8 @@ async def reconcile(body: Any, status: Any, memo: Any, logger: Any, **_: Any) ->
         logger.info(f"scale down: removing group {index}")
         await memo.kube.delete_statefulset(ns, group_name(body, index))
         await memo.kube.delete_service(ns, group_name(body, index))
+        if memo.network_policies:
+            await memo.kube.delete_network_policy(ns, group_name(body, index))
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str, previous: dict[str, Any], now: str) -> dict:

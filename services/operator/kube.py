@@ -54,6 +54,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.apps = kubernetes.client.AppsV1Api(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         def call() -> dict[str, Any]:
@@ -117,6 +118,21 @@ class Kube:
     async def delete_service(self, ns: str, name: str) -> None:
         try:
             await self._call(self.core.delete_namespaced_service, name, ns)
+        except NotFound:
+            pass
+
+    async def get_network_policy(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.networking.read_namespaced_network_policy, name, ns)
+        except NotFound:
+            return None
+
+    async def create_network_policy(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.networking.create_namespaced_network_policy, ns, body)
+
+    async def delete_network_policy(self, ns: str, name: str) -> None:
+        try:
+            await self._call(self.networking.delete_namespaced_network_policy, name, ns)
         except NotFound:
             pass
 

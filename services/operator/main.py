@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-seconds", type=int, default=15)
     p.add_argument("--renew-seconds", type=float, default=5.0)
     p.add_argument("--drain-seconds", type=float, default=30.0, help="wait after a group leaves routing")
+    p.add_argument(
+        "--network-policies",
+        action="store_true",
+        help="a NetworkPolicy per group: ring traffic only from the group's own pods, gRPC only from routers",
+    )
     return p
 
 
@@ -56,8 +61,10 @@ def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.WARNING  # Events: ours (restarts, failures), not every handler's success
 
 
-def make_memo(kube: Kube, drain_s: float) -> kopf.Memo:
-    return kopf.Memo(kube=kube, clock=time.time, drain_s=drain_s, drains={})
+def make_memo(kube: Kube, drain_s: float, network_policies: bool = False) -> kopf.Memo:
+    return kopf.Memo(
+        kube=kube, clock=time.time, drain_s=drain_s, drains={}, network_policies=network_policies
+    )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -68,7 +75,7 @@ async def _run(args: argparse.Namespace) -> int:
         clusterwide=args.all_namespaces,
         namespaces=[args.namespace] if args.namespace else [],
         liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
-        memo=make_memo(kube, args.drain_seconds),
+        memo=make_memo(kube, args.drain_seconds, args.network_policies),
         stop_flag=stop,
     )
     if args.standalone:

@@ -1,6 +1,7 @@
 """Pure builders: an InferencePipeline (its body as a dict) → the objects of one group.
 
     stage_statefulset(pipeline, index, generation) -> StatefulSet    stage_service(pipeline, index) -> Service
+    group_network_policy(pipeline, index) -> NetworkPolicy (with `pipeserve-operator --network-policies`)
     group_endpoint(pipeline, index) -> "P-g<i>-0.P-g<i>.NS.svc:50051"
 
 Contract (shared with the chart, the router discovery and the images; see docs/kubernetes.md):
@@ -102,6 +103,34 @@ def stage_service(pipeline: dict, index: int) -> dict[str, Any]:
                 {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"},
                 {"name": "health", "port": HEALTH_PORT, "targetPort": "health"},
                 {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous"},
+            ],
+        },
+    }
+
+
+ROUTER_POD_LABELS = {"app.kubernetes.io/name": "pipeserve", "app.kubernetes.io/component": "router"}
+
+
+def group_network_policy(pipeline: dict, index: int) -> dict[str, Any]:
+    """Ingress of one group's pods: the ring and the rendezvous only from the same group (gloo and NCCL
+    pick their ports at run time, so any port), stage 0's gRPC only from router pods, the health port
+    (/metrics; the kubelet's probes are not subject to policies) from the namespace. Per group because a
+    static policy cannot say "the same group as the target pod"."""
+    own = {"podSelector": {"matchLabels": group_selector(pipeline, index)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pipeline, index),
+        "spec": {
+            "podSelector": {"matchLabels": group_selector(pipeline, index)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [own]},
+                {
+                    "from": [{"podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}}],
+                    "ports": [{"port": GRPC_PORT, "protocol": "TCP"}],
+                },
+                {"from": [{"podSelector": {}}], "ports": [{"port": HEALTH_PORT, "protocol": "TCP"}]},
             ],
         },
     }

@@ -20,6 +20,7 @@ import kmock
 NS = "ml"
 CR = "pipeserve.io/v1alpha1/inferencepipelines"
 STS, PODS, SVC = "apps/v1/statefulsets", "v1/pods", "v1/services"
+NETPOL = "networking.k8s.io/v1/networkpolicies"
 
 
 def declare_resources(k: kmock.KubernetesEmulator) -> None:
@@ -30,7 +31,14 @@ def declare_resources(k: kmock.KubernetesEmulator) -> None:
         verbs={"list", "watch", "get", "patch", "create", "delete"},
         subresources={"status", "scale"},
     )
-    for res, kind in ((STS, "StatefulSet"), (PODS, "Pod"), (SVC, "Service"), ("v1/events", "Event")):
+    kinds = (
+        (STS, "StatefulSet"),
+        (PODS, "Pod"),
+        (SVC, "Service"),
+        ("v1/events", "Event"),
+        (NETPOL, "NetworkPolicy"),
+    )
+    for res, kind in kinds:
         k.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs={"list", "get", "create"})
     k.resources["coordination.k8s.io/v1/leases"] = kmock.ResourceInfo(kind="Lease", namespaced=True)
     # kopf's backbone waits for these two to be discoverable (it does not list them: scanning is off).

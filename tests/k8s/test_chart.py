@@ -254,6 +254,7 @@ OPERATOR_RULES = {
     ("", "services"): ["get", "create", "delete"],
     ("", "pods"): ["list", "delete"],
     ("", "events"): ["create"],
+    ("networking.k8s.io", "networkpolicies"): ["get", "create", "delete"],  # with networkPolicy.enabled
     ("coordination.k8s.io", "leases"): ["get", "create", "patch"],
 }
 ROUTER_RULES = {
@@ -292,19 +293,19 @@ def test_rbac_is_exactly_what_is_used(tools: Tools, watch: str) -> None:
     )
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     where = ["--namespace", watch, "--lease-namespace", watch] if watch else ["--all-namespaces"]
-    assert args == [*where, "--liveness-port", "8080"]
+    assert args == [*where, "--liveness-port", "8080", "--network-policies"]
 
 
 def test_network_policies(tools: Tools) -> None:
-    policies = {o["metadata"]["name"]: o["spec"] for o in tools.objects() if o["kind"] == "NetworkPolicy"}
+    objects = tools.objects()
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
     stage_labels = {"app.kubernetes.io/name": "pipeserve", "app.kubernetes.io/component": "stage"}
-    stages = policies["rel-pipeserve-stages"]
-    assert stages["podSelector"]["matchLabels"] == stage_labels
-    ring, grpc, health = stages["ingress"]
-    assert ring == {"from": [{"podSelector": {"matchLabels": stage_labels}}]}  # every port: gloo picks them
-    assert grpc["ports"] == [{"port": 50051, "protocol": "TCP"}]
-    assert grpc["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
-    assert health == {"from": [{"podSelector": {}}], "ports": [{"port": 8080, "protocol": "TCP"}]}
+    # Stage pods get theirs from the operator, one per group (tests/k8s/test_operator.py).
+    assert set(policies) == {"rel-pipeserve-redis"}
+    operator = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("operator")
+    )
+    assert "--network-policies" in operator["spec"]["template"]["spec"]["containers"][0]["args"]
     redis = policies["rel-pipeserve-redis"]
     assert redis["ingress"] == [
         {
@@ -312,9 +313,14 @@ def test_network_policies(tools: Tools) -> None:
             "ports": [{"port": 6379, "protocol": "TCP"}],
         }
     ]
-    assert not [
-        o for o in tools.objects("--set", "networkPolicy.enabled=false") if o["kind"] == "NetworkPolicy"
-    ]
+    off = tools.objects("--set", "networkPolicy.enabled=false")
+    assert not [o for o in off if o["kind"] == "NetworkPolicy"]
+    operator = next(
+        o for o in off if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("operator")
+    )
+    assert "--network-policies" not in operator["spec"]["template"]["spec"]["containers"][0]["args"]
+    role = next(o for o in off if o["kind"] == "ClusterRole")
+    assert ("networking.k8s.io", "networkpolicies") not in _rules(role)
 
 
 def test_internal_redis_requires_the_secrets_password(tools: Tools) -> None:

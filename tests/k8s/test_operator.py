@@ -14,9 +14,11 @@ import contextlib
 
 import kmock
 import kopf
+import kubernetes_validate
 import pytest
 from k8s_support import (
     CR,
+    NETPOL,
     NS,
     PODS,
     STS,
@@ -30,6 +32,7 @@ from k8s_support import (
 )
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.main import make_memo
+from pipeserve_operator.resources import GROUP_LABEL, PIPELINE_LABEL
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
 UID = "0f5c3a52-7d0e-4a1e-9d55-6b1a3f3c2e10"
@@ -65,7 +68,7 @@ async def operator(k: kmock.KubernetesEmulator, body: dict):
     def login(**_: object) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    memo = make_memo(Kube(api_client(url)), drain_s=5.0)
+    memo = make_memo(Kube(api_client(url)), drain_s=5.0, network_policies=True)
     memo.clock = asyncio.get_running_loop().time  # backoffs and deadlines in loop time
     stop = asyncio.Event()
     task = asyncio.create_task(kopf.operator(standalone=True, namespaces=[NS], memo=memo, stop_flag=stop))
@@ -108,6 +111,16 @@ async def test_cr_creates_groups_and_scales(kmock: kmock.KubernetesEmulator) -> 
         svc = live(kmock, SVC)["p-g0"]
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
         assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
+        # The group's own NetworkPolicy: ring traffic only from its pods, gRPC only from routers.
+        await eventually(lambda: "p-g0" in live(kmock, NETPOL))
+        policy = live(kmock, NETPOL)["p-g0"]
+        kubernetes_validate.validate(policy, "1.35", strict=True)
+        own = policy["spec"]["podSelector"]["matchLabels"]
+        assert own[GROUP_LABEL] == "0" and own[PIPELINE_LABEL] == "p"
+        ring, grpc, _health = policy["spec"]["ingress"]
+        assert ring == {"from": [{"podSelector": {"matchLabels": own}}]}
+        assert grpc["ports"] == [{"port": 50051, "protocol": "TCP"}]
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == UID
 
         kmock.objects[CR, NS, "p"].patch({"spec": {"replicas": 3}})  # what `kubectl scale` writes
         await eventually(lambda: set(live(kmock, STS)) == {"p-g0", "p-g1", "p-g2"})
@@ -120,6 +133,7 @@ async def test_cr_creates_groups_and_scales(kmock: kmock.KubernetesEmulator) -> 
         assert "p-g2" in live(kmock, STS)
         await eventually(lambda: set(live(kmock, STS)) == {"p-g0"}, timeout=30, wall=True)
         assert set(live(kmock, SVC)) == {"p-g0"}
+        assert set(live(kmock, NETPOL)) == {"p-g0"}
 
 
 async def test_restart_deletes_the_whole_group_once(kmock: kmock.KubernetesEmulator) -> None:
