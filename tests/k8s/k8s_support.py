@@ -23,6 +23,28 @@ STS, PODS, SVC = "apps/v1/statefulsets", "v1/pods", "v1/services"
 NETPOL = "networking.k8s.io/v1/networkpolicies"
 
 
+UID = "0f5c3a52-7d0e-4a1e-9d55-6b1a3f3c2e10"
+
+
+def pipeline(replicas: int = 1, stages: int = 2) -> dict:
+    return {
+        "apiVersion": "pipeserve.io/v1alpha1",
+        "kind": "InferencePipeline",
+        "metadata": {"name": "p", "namespace": NS, "uid": UID, "generation": 1, "resourceVersion": "1"},
+        "spec": {
+            "model": {"path": "/models/demo", "persistentVolumeClaim": "weights"},
+            "image": "pipeserve/stage:test",
+            "stages": stages,
+            "replicas": replicas,
+            "engine": {"max-num-seqs": 8, "dtype": "float32"},
+            "hicache": {"secretRef": {"name": "redis"}},
+            "nccl": {"socketIfname": "eth0"},
+            "restartBackoffSeconds": 1,
+            "startupDeadlineSeconds": 120,
+        },
+    }
+
+
 def declare_resources(k: kmock.KubernetesEmulator) -> None:
     k.resources[CR] = kmock.ResourceInfo(
         kind="InferencePipeline",

@@ -23,11 +23,13 @@ from k8s_support import (
     PODS,
     STS,
     SVC,
+    UID,
     SimulatedStatefulSetController,
     declare_resources,
     deletions,
     eventually,
     live,
+    pipeline,
     running,
 )
 from pipeserve_operator.kube import Kube, api_client
@@ -35,27 +37,7 @@ from pipeserve_operator.main import make_memo
 from pipeserve_operator.resources import GROUP_LABEL, PIPELINE_LABEL
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
-UID = "0f5c3a52-7d0e-4a1e-9d55-6b1a3f3c2e10"
 GEN = "pipeserve.io/group-generation"
-
-
-def pipeline(replicas: int = 1, stages: int = 2) -> dict:
-    return {
-        "apiVersion": "pipeserve.io/v1alpha1",
-        "kind": "InferencePipeline",
-        "metadata": {"name": "p", "namespace": NS, "uid": UID, "generation": 1, "resourceVersion": "1"},
-        "spec": {
-            "model": {"path": "/models/demo", "persistentVolumeClaim": "weights"},
-            "image": "pipeserve/stage:test",
-            "stages": stages,
-            "replicas": replicas,
-            "engine": {"max-num-seqs": 8, "dtype": "float32"},
-            "hicache": {"secretRef": {"name": "redis"}},
-            "nccl": {"socketIfname": "eth0"},
-            "restartBackoffSeconds": 1,
-            "startupDeadlineSeconds": 120,
-        },
-    }
 
 
 @contextlib.asynccontextmanager
