@@ -2,10 +2,14 @@
 # The operator image: `pipeserve-operator` (kopf; the chart's operator Deployment). Build from the
 # repository root:
 #   docker build -f docker/operator.Dockerfile -t pipeserve/operator:0.1.0 .
-# pipeserve goes in with --no-deps plus the k8s extra (kopf, kubernetes), pinned by constraints.txt.
-# The operator imports pipeserve.care.restarts (stdlib only), but importing any pipeserve module runs
-# the package __init__, which imports the offline LLM API and so torch: the CPU wheel is here until
-# that import is made lazy.
+# pipeserve goes in with --no-deps, then exactly what `pipeserve-operator` imports (pinned by
+# constraints.txt; their own dependencies come with them), no torch, safetensors or transformers
+# (tests/k8s/test_images.py runs the operator's parser and builders under a Python where those
+# imports fail):
+#   kopf, kubernetes, aiohttp     the handlers, the API client, the liveness endpoint
+#   fastapi, uvicorn, httptools,  the `pipeserve stage` parser (pipeserve.cli.build_parser), which
+#   prometheus-client             checks the engine flags: the CLI's other subcommands (up, router)
+#                                 import these at module level
 FROM python:3.11.13-slim-bookworm AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -14,8 +18,7 @@ COPY services services
 COPY kernels kernels
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install -c constraints.txt \
-      --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple \
-      kopf kubernetes torch tokenizers msgspec xxhash numpy safetensors jinja2 \
+      kopf kubernetes aiohttp fastapi uvicorn httptools prometheus-client \
  && /opt/venv/bin/pip install --no-deps .
 
 FROM python:3.11.13-slim-bookworm

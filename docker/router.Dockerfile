@@ -2,10 +2,15 @@
 # The router image: `pipeserve router` (the chart's router Deployment: --discover kubernetes). It
 # needs the tokenizer files only, never weights. Build from the repository root:
 #   docker build -f docker/router.Dockerfile -t pipeserve/router:0.1.0 .
-# pipeserve goes in with --no-deps and the router's runtime dependencies are listed here, pinned by
-# constraints.txt, plus the k8s extra for discovery. torch is among them for now, as the CPU wheel:
-# `import pipeserve` (the package __init__, the offline LLM API) and the CLI's parser (supervisor.up
-# -> care.launcher -> ring.group) import it, so `pipeserve router` cannot start without it yet.
+# pipeserve goes in with --no-deps, then exactly what `pipeserve router` imports when it serves
+# (pinned by constraints.txt; their own dependencies come with them), no torch, safetensors or
+# transformers (tests/k8s/test_images.py runs the router under a Python where those imports fail):
+#   fastapi, uvicorn, httptools   the HTTP server (router.app, router.http_guard)
+#   prometheus-client             /metrics
+#   grpcio, protobuf              the groups' stage 0 (router.upstream, pipeserve.rpc)
+#   tokenizers, jinja2            tokenizer.json and the chat template (pipeserve.tokenizer)
+#   xxhash                        prefix-affinity block hashes (router.policy)
+#   kubernetes                    --discover kubernetes (router.discovery_k8s)
 FROM python:3.11.13-slim-bookworm AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -14,9 +19,7 @@ COPY services services
 COPY kernels kernels
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install -c constraints.txt \
-      --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple \
-      torch tokenizers msgspec xxhash numpy jinja2 grpcio protobuf fastapi uvicorn httptools \
-      prometheus-client httpx redis safetensors gguf kopf kubernetes \
+      fastapi uvicorn httptools prometheus-client grpcio protobuf tokenizers jinja2 xxhash kubernetes \
  && /opt/venv/bin/pip install --no-deps .
 
 FROM python:3.11.13-slim-bookworm
