@@ -564,6 +564,22 @@ MUTANTS = [
         "    current = {s.rank: s for s in obs.stages}",
         "tests/k8s/test_operator.py -k stale",
     ),
+    (
+        "pipeserve up's parser imports the ring (torch) at module level",
+        "services/pipeserve/supervisor/up.py",
+        "from pipeserve.router.http_guard import RouterServer, server_config\n",
+        "from pipeserve.router.http_guard import RouterServer, server_config\n"
+        "from pipeserve.supervisor.group import GroupSlot  # noqa: F401\n",
+        "tests/test_import_graph.py tests/k8s/test_images.py -k 'torch'",
+    ),
+    (
+        "the package __init__ imports the offline LLM (torch) eagerly",
+        "services/pipeserve/__init__.py",
+        "from pipeserve.outputs import CompletionOutput, RequestOutput\n",
+        "from pipeserve.entrypoints.llm import LLM  # noqa: F401\n"
+        "from pipeserve.outputs import CompletionOutput, RequestOutput\n",
+        "tests/test_import_graph.py -k torch",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -7,6 +7,12 @@
   process care (care) or the roles above them.
 * The router needs only the tokenizer files, never the weights: it imports nothing that
   runs a model (engine, model, ring, stage) — what `pipeserve router` on its own will rely on.
+* The router's and the operator's images have no torch, safetensors or transformers: no module those
+  processes load imports one of them at module level, directly or through the modules it imports at
+  module level (function bodies and `if TYPE_CHECKING:` blocks do not run on import). The modules they
+  load: every module of `router/` and of the operator, whatever those import (lazily too: they run it
+  while serving), and the CLI's parser (`pipeserve`, cli, supervisor.up, bench.serving, config, ...).
+  A live check of the same rule: tests/k8s/test_images.py runs those processes without torch.
 """
 
 from __future__ import annotations
@@ -18,10 +24,15 @@ ROOT = Path(__file__).resolve().parent.parent / "services"
 ROLES = ("ring", "care", "stage", "router", "supervisor", "entrypoints", "cli")
 
 
+# services/<folder> -> its import name (pyproject.toml's package-dir)
+IMPORT_NAMES = {"operator": "pipeserve_operator"}
+
+
 def _modules() -> dict[str, Path]:
     mods = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = (IMPORT_NAMES.get(parts[0], parts[0]), *parts[1:])
         mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 
@@ -115,3 +126,120 @@ def test_router_runs_no_model() -> None:
 
 def test_the_checker_sees_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# --- what the router's and the operator's processes load imports no torch at module level ---
+
+HEAVY = ("torch", "safetensors", "transformers")  # not in the router and operator images (docker/)
+# Loaded by `pipeserve router` and `pipeserve-operator` (the operator builds `pipeserve stage`'s parser
+# to check engine flags, so the whole CLI parser is in): these, every module of the two packages below,
+# and every module those packages import, lazily too.
+LIGHT_MODULES = (
+    "pipeserve",
+    "pipeserve.cli",
+    "pipeserve.config",
+    "pipeserve.tokenizer",
+    "pipeserve.care.restarts",
+    "pipeserve.supervisor.up",
+    "pipeserve.bench.serving",
+    "pipeserve.model.demo_spec",
+)
+LIGHT_PACKAGES = ("pipeserve.router", "pipeserve_operator")
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def import_time_imports(source: str) -> set[str]:
+    """Every name imported when the module is imported: its top level, class bodies, if/try/with blocks;
+    not function bodies (they run when called) nor `if TYPE_CHECKING:` (false at run time)."""
+    out: set[str] = set()
+
+    def visit(nodes: list) -> None:
+        for node in nodes:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []))
+
+    visit(ast.parse(source).body)
+    return out
+
+
+def heavy_chains(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Module -> the chain of import-time imports that reaches torch (or safetensors, transformers), for
+    every module that has one. Importing a.b.c runs a and a.b first: parents count as imported."""
+
+    def with_parents(name: str) -> list[str]:
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+    edges: dict[str, list[str]] = {}
+    for name, src in sources.items():
+        targets = {p for t in import_time_imports(src) for p in with_parents(t)} | set(with_parents(name))
+        edges[name] = sorted(t for t in targets if t != name and (t in sources or t.split(".")[0] in HEAVY))
+    chains: dict[str, list[str] | None] = {}
+
+    def chain(m: str) -> list[str] | None:
+        if m.split(".")[0] in HEAVY:
+            return [m]
+        if m not in chains:
+            chains[m] = None  # in progress: a cycle back here adds nothing
+            for t in edges[m]:
+                if (rest := chain(t)) is not None:
+                    chains[m] = [m, *rest]
+                    break
+        return chains[m]
+
+    return {m: c for m in sources if (c := chain(m)) is not None}
+
+
+def light_modules(graph: dict[str, set[str]]) -> set[str]:
+    """The modules the router's and the operator's processes load (see LIGHT_MODULES)."""
+    inside = {m for m in graph if m.startswith(LIGHT_PACKAGES)}
+    return set(LIGHT_MODULES) | inside | {t for m in inside for t in graph[m]}
+
+
+def test_router_and_operator_import_no_torch() -> None:
+    graph = import_graph()
+    light = light_modules(graph)
+    assert "pipeserve_operator.resources" in light and "pipeserve.router.app" in light  # the graph sees them
+    chains = heavy_chains({m: path.read_text() for m, path in _modules().items()})
+    assert "pipeserve.ring.group" in chains  # the checker sees torch where it is
+    bad = {m: " -> ".join(chains[m]) for m in sorted(light) if m in chains}
+    assert bad == {}, f"imports torch (or safetensors, transformers) at module level: {bad}"
+
+
+def test_the_checker_sees_a_module_level_torch_import() -> None:
+    sources = {
+        "p": "",
+        "p.heavy": "import torch\n",
+        "p.via_parent": "",  # its parent p imports nothing heavy
+        "p.chain": "from p.mid import x\n",
+        "p.mid": "try:\n    from safetensors.torch import save_file\nexcept ImportError:\n    pass\n",
+        "p.lazy": "def f():\n    import torch\n",
+        "p.typing": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n",
+        "p.cls": "class A:\n    from p.heavy import x\n",
+        "q": "import p.heavy\n",
+        "q.child": "",  # importing q.child runs q, which imports torch
+    }
+    chains = heavy_chains(sources)
+    assert chains == {
+        "p.heavy": ["p.heavy", "torch"],
+        "p.chain": ["p.chain", "p.mid", "safetensors"],
+        "p.mid": ["p.mid", "safetensors"],
+        "p.cls": ["p.cls", "p.heavy", "torch"],
+        "q": ["q", "p.heavy", "torch"],
+        "q.child": ["q.child", "q", "p.heavy", "torch"],
+    }
