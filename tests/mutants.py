@@ -580,6 +580,20 @@ MUTANTS = [
         "from pipeserve.outputs import CompletionOutput, RequestOutput\n",
         "tests/test_import_graph.py -k torch",
     ),
+    (
+        "operator rolls every outdated group at once",
+        "services/operator/handlers.py",
+        "            may_roll = all(r.phase is Phase.READY for i, r in enumerate(records) if i != index)",
+        "            may_roll = True",
+        "tests/k8s/test_operator.py -k rolls",
+    ),
+    (
+        "operator never rolls a changed spec out",
+        "services/operator/observe.py",
+        "        outdated=wanted_hash is not None and template_hash(pod) != wanted_hash,",
+        "        outdated=False,",
+        "tests/k8s/test_operator.py -k rolls",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

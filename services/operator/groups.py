@@ -2,12 +2,12 @@
 
 * START: the StatefulSet's template gets the record's generation and `replicas = stages` (the
   StatefulSet controller then creates every pod of the new incarnation at once: Parallel).
-* RESTART / FAIL: first the StatefulSet is patched (template generation = the record's next
+* RESTART / ROLL / FAIL: first the StatefulSet is patched (template generation = the record's next
   generation, `replicas: 0`, so nothing is recreated during the backoff and anything the controller
   recreates from a template it read before the patch is an old generation), then every pod of the
   group is deleted in one step: one DELETE per pod, all issued together (`asyncio.gather`), not a
   deletecollection (per-pod deletes work with any API server and let a missing pod count as done).
-  A Kubernetes Event is posted on the resource (reason GroupRestart / GroupFailed, the cause).
+  A Kubernetes Event is posted on the resource (reason GroupRestart / GroupRollout / GroupFailed).
 * NONE / START: pods the decision calls stale (an older generation) are deleted without counting
   a restart; a pod already being deleted is not deleted again.
 The record (backoff state) is written into status.groups[i].record so an operator restart keeps it.
@@ -57,13 +57,16 @@ async def act(
     record = decision.record
     if decision.action is Action.START:
         await _set_template(kube, ns, name, record.generation, stages)
-    elif decision.action in (Action.RESTART, Action.FAIL):
+    elif decision.action in (Action.RESTART, Action.ROLL, Action.FAIL):
         await _set_template(kube, ns, name, record.generation, 0)
     victims = doomed(pods, decision)
     await asyncio.gather(*(kube.delete_pod(ns, p["metadata"]["name"]) for p in victims))
     if decision.action is Action.RESTART:
         message = f"group {index}: {decision.reason}; restart {record.restarts} in {decision.delay_s:.1f}s"
         kopf.warn(body, reason="GroupRestart", message=message)
+    elif decision.action is Action.ROLL:
+        # A Normal event (kopf.info would be filtered: handlers' own successes are not posted).
+        kopf.event(body, type="Normal", reason="GroupRollout", message=f"group {index}: {decision.reason}")
     elif decision.action is Action.FAIL:
         kopf.exception(body, reason="GroupFailed", message=f"group {index} failed: {decision.reason}")
     return len(victims)

@@ -16,6 +16,7 @@ operator restarts), `drain_s`, `drains` (when each scale-down's drain began).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
@@ -24,7 +25,7 @@ import kopf
 from pipeserve_operator import groups
 from pipeserve_operator.crd import GROUP, PLURAL, VERSION, with_defaults
 from pipeserve_operator.kube import Kube
-from pipeserve_operator.observe import group_observation, pod_group
+from pipeserve_operator.observe import HASH_ANNOTATION, group_observation, pod_group, template_hash
 from pipeserve_operator.resources import (
     GROUP_LABEL,
     SpecError,
@@ -39,7 +40,6 @@ from pipeserve_operator.resources import (
 from pipeserve.care.restarts import Phase, RestartPolicy, decide
 
 TICK_S = 2.0
-HASH_ANNOTATION = "pipeserve.io/template-hash"
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
@@ -63,17 +63,25 @@ async def _ensure_group(
     desired = stage_statefulset(body, index, max(1, record.generation))
     template_spec = desired["spec"]["template"]["spec"]
     digest = spec_hash(template_spec)
+    # The hash goes on the pods too: a pod whose hash differs from its StatefulSet's was made from an
+    # older spec, and the timer rolls its group (one group at a time).
+    desired["spec"]["template"]["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = digest
     if live is None:
         if record.phase in (Phase.RESTARTING, Phase.FAILED):
             desired["spec"]["replicas"] = 0  # the timer starts it when the backoff is over
         desired["metadata"]["annotations"] = {HASH_ANNOTATION: digest}
         await kube.create_statefulset(ns, desired)
-    elif (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) != digest:
-        # Pods are replaced by group restarts only (OnDelete): a drifted template applies at the next one.
+    elif template_hash(live) != digest:
+        # Pods are never replaced by the StatefulSet controller (OnDelete): the timer rolls the group.
         cleared = {k: None for k in ("nodeSelector", "tolerations", "affinity") if k not in template_spec}
         patch = {
             "metadata": {"annotations": {HASH_ANNOTATION: digest}},
-            "spec": {"template": {"spec": {**template_spec, **cleared}}},
+            "spec": {
+                "template": {
+                    "metadata": {"annotations": {HASH_ANNOTATION: digest}},
+                    "spec": {**template_spec, **cleared},
+                }
+            },
         }
         await kube.patch_statefulset(ns, name, patch)
 
@@ -147,13 +155,19 @@ async def supervise(body: Any, spec: Any, status: Any, memo: Any, patch: Any, **
         problem = str(e)
     kube: Kube = memo.kube
     pods = await kube.list_pods(ns, pipeline_selector(pipeline))
-    present = {s["metadata"]["name"] for s in await kube.list_statefulsets(ns, pipeline_selector(pipeline))}
+    sets = {s["metadata"]["name"]: s for s in await kube.list_statefulsets(ns, pipeline_selector(pipeline))}
+    present = set(sets)
+    records = [groups.load_record(entries.get(i), digest) for i in range(full["replicas"])]
     new_entries, restarts = [], 0
     for index in range(full["replicas"]):
-        record = groups.load_record(entries.get(index), digest)
+        record = records[index]
         if not problem and group_name(pipeline, index) in present:
             mine = [p for p in pods if pod_group(p) == index]
-            decision = decide(record, group_observation(mine, full["stages"]), _policy(full), now)
+            # Roll one group at a time, only while every other group serves: capacity drops by one group.
+            may_roll = all(r.phase is Phase.READY for i, r in enumerate(records) if i != index)
+            obs = group_observation(mine, full["stages"], template_hash(sets[group_name(pipeline, index)]))
+            decision = decide(record, dataclasses.replace(obs, may_roll=may_roll), _policy(full), now)
+            records[index] = decision.record
             await groups.act(kube, pipeline, index, full["stages"], decision, mine)
             restarts += decision.record.restarts - record.restarts
             record = decision.record

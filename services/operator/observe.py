@@ -7,7 +7,9 @@ Per pod (stage = `apps.kubernetes.io/pod-index`, else the name's ordinal suffix)
 * restarts / exit_code: the `stage` container's restartCount and its last termination's exit code.
   A liveness-probe failure (a wedged stage: /livez red) makes the kubelet restart the container, so a
   wedge shows here as a restart; a container waiting in CrashLoopBackOff shows the same way;
-* deleting: the pod has a deletionTimestamp.
+* deleting: the pod has a deletionTimestamp;
+* outdated: the pod's `pipeserve.io/template-hash` annotation differs from its StatefulSet's (the spec
+  changed since the pod was made; `decide` rolls the group when the operator allows it).
 A stage that stays not Ready is left to `decide`'s startup deadline (a Ready group that loses a ready
 stage goes back to Starting with a fresh deadline), so no separate not-ready timer lives here.
 """
@@ -20,6 +22,7 @@ from pipeserve_operator.resources import GENERATION_LABEL, GROUP_LABEL, POD_INDE
 
 from pipeserve.care.restarts import GroupObservation, StageObservation, StageState
 
+HASH_ANNOTATION = "pipeserve.io/template-hash"
 _STATES = {"Pending": StageState.PENDING, "Running": StageState.RUNNING}
 
 
@@ -44,7 +47,12 @@ def pod_group(pod: dict[str, Any]) -> int:
     return _int(((pod.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL), -1)
 
 
-def stage_observation(pod: dict[str, Any]) -> StageObservation:
+def template_hash(obj: dict[str, Any]) -> str | None:
+    """The spec hash a StatefulSet or a pod carries (None: none)."""
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
+
+
+def stage_observation(pod: dict[str, Any], wanted_hash: str | None = None) -> StageObservation:
     status = pod.get("status") or {}
     state = _STATES.get(status.get("phase", "Pending"), StageState.EXITED)
     ready = any(
@@ -66,10 +74,14 @@ def stage_observation(pod: dict[str, Any]) -> StageObservation:
         restarts=restarts,
         exit_code=exit_code,
         deleting=bool((pod.get("metadata") or {}).get("deletionTimestamp")),
+        outdated=wanted_hash is not None and template_hash(pod) != wanted_hash,
     )
 
 
-def group_observation(pods: list[dict[str, Any]], world_size: int) -> GroupObservation:
-    """The observation of one group from its pods (any generation; ranks outside 0..S-1 are ignored)."""
-    stages = [stage_observation(p) for p in pods]
+def group_observation(
+    pods: list[dict[str, Any]], world_size: int, wanted_hash: str | None = None
+) -> GroupObservation:
+    """The observation of one group from its pods (any generation; ranks outside 0..S-1 are ignored);
+    `wanted_hash`: the group's StatefulSet's spec hash (None: never outdated)."""
+    stages = [stage_observation(p, wanted_hash) for p in pods]
     return GroupObservation(world_size, tuple(s for s in stages if 0 <= s.rank < world_size))

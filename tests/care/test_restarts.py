@@ -140,6 +140,27 @@ def test_a_stage_no_longer_ready_takes_the_group_out_then_back() -> None:
     assert back.phase is Phase.READY
 
 
+def test_an_outdated_ready_group_rolls_when_allowed_without_backoff_or_a_restart_count() -> None:
+    outdated = ready_stages(1, outdated=True)
+    held = decide(ready_record(), GroupObservation(2, outdated, may_roll=False), POLICY, 5.0)
+    assert (held.action, held.phase) == (Action.NONE, Phase.READY)  # another group is rolling
+    d = decide(ready_record(), GroupObservation(2, outdated), POLICY, 5.0)
+    assert (d.action, d.phase, d.stale, d.delay_s) == (Action.ROLL, Phase.RESTARTING, (0, 1), 0.0)
+    assert (d.record.generation, d.record.rollouts, d.record.restarts, d.record.failures_in_a_row) == (
+        2,
+        1,
+        0,
+        0,
+    )
+    again = decide(d.record, GroupObservation(2, outdated), POLICY, 5.0)  # the old pods are still there
+    assert again.action is Action.START and again.stale == (0, 1)
+    # A starting group becomes Ready first (and rolls on a later look, like any Ready group); a failed
+    # stage is a failure, not a roll.
+    assert decide(started(), GroupObservation(2, outdated), POLICY, 5.0).action is Action.NONE
+    failed = ready_stages(1, outdated=True, wedged="stuck")
+    assert decide(ready_record(), GroupObservation(2, failed), POLICY, 5.0).action is Action.RESTART
+
+
 def test_record_round_trips_through_json() -> None:
     rec = dataclasses.replace(ready_record(gen=4), restarts=3, last_failure="stage 0 is wedged")
     assert GroupRecord.from_json(rec.to_json()) == rec

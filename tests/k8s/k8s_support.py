@@ -98,7 +98,12 @@ def pod_from(sts: dict[str, Any], rank: int, ready: bool = True) -> dict[str, An
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"{sts['metadata']['name']}-{rank}", "namespace": NS, "labels": labels},
+        "metadata": {
+            "name": f"{sts['metadata']['name']}-{rank}",
+            "namespace": NS,
+            "labels": labels,
+            "annotations": dict(template["metadata"].get("annotations") or {}),
+        },
         "spec": copy.deepcopy(template["spec"]),
         "status": {
             "phase": "Running",

@@ -27,6 +27,11 @@ Actions (one per call):
   listed in `stale`; the record's generation is already the next one), and must not start the next
   incarnation before START. Backoff: `backoff_s * 2**failures_in_a_row`, capped at `backoff_max_s`; a
   group Ready for `stable_s` is forgiven its earlier failures.
+* ROLL: a planned restart — the group is Ready but runs an older spec than the caller now wants
+  (Kubernetes: its pods were made from a pod template that has since changed), and the caller allows
+  it now (`may_roll`: the operator lets one group at a time roll, only while every other group is
+  Ready, so capacity never drops by more than one group). Acted on like RESTART, but no backoff
+  (the next START comes at once) and it counts in `rollouts`, not in `restarts`.
 * FAIL: a stage exited with a status in `fatal_exit_codes` (cannot start: configuration or checkpoint)
   before the group was ever ready and before any restart, or `max_restarts` is used up. Retrying
   would not help; the group stays Failed (NONE from then on) until the caller resets the record (the
@@ -66,6 +71,7 @@ class Action(enum.Enum):
     NONE = "none"
     START = "start"
     RESTART = "restart"
+    ROLL = "roll"
     FAIL = "fail"
 
 
@@ -81,12 +87,14 @@ class StageObservation:
     restarts: int = 0  # container restarts in place (Kubernetes restartCount); 0 for a local process
     exit_code: int | None = None  # the last exit status (EXITED, or the container's last termination)
     deleting: bool = False  # the pod has a deletionTimestamp: someone else is removing it
+    outdated: bool = False  # made from an older spec than the caller now wants (a changed pod template)
 
 
 @dataclass(frozen=True)
 class GroupObservation:
     world_size: int
     stages: tuple[StageObservation, ...] = ()  # any generation; the caller lists what exists
+    may_roll: bool = True  # the caller allows a planned restart of this group now
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ class GroupRecord:
     ready_at: float | None = None  # when this generation became Ready
     ever_ready: bool = False  # any generation was ever Ready (a fatal exit after that is not fatal)
     restarts: int = 0
+    rollouts: int = 0  # planned restarts (ROLL)
     failures_in_a_row: int = 0
     restart_at: float = 0.0  # RESTARTING: the next START is not before this
     last_failure: str = ""
@@ -190,6 +199,16 @@ def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, no
         if phase is Phase.STARTING:
             ready = _replace(record, phase=Phase.READY, ready_at=now, ever_ready=True)
             return Decision(Action.NONE, ready, "ready", stale)
+        if obs.may_roll and any(s.outdated for s in current.values()):
+            rolled = _replace(
+                record,
+                generation=record.generation + 1,
+                phase=Phase.RESTARTING,
+                ready_at=None,
+                rollouts=record.rollouts + 1,
+                restart_at=now,
+            )
+            return Decision(Action.ROLL, rolled, "the spec changed: rolling update", _all_ranks(obs))
         if record.ready_at is not None and now - record.ready_at >= policy.stable_s:
             if record.failures_in_a_row:
                 record = _replace(record, failures_in_a_row=0)

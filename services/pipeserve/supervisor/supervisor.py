@@ -114,7 +114,7 @@ class Supervisor:
                 slot.grpc_target,
                 slot.generation,
             )
-        elif d.action is Action.RESTART:
+        elif d.action in (Action.RESTART, Action.ROLL):  # ROLL: never here (local stages are never outdated)
             await self._stop_failed(slot, d.reason, d.delay_s)
         elif d.action is Action.FAIL:
             self.on_down(slot.name, d.reason)
