@@ -551,7 +551,7 @@ MUTANTS = [
     ),
     (
         "operator deletes only the failed pod, not its group",
-        "services/operator/groups.py",
+        "services/pipeserve_operator/groups.py",
         "    victims = doomed(pods, decision)",
         "    victims = [p for p in doomed(pods, decision)"
         " if p['status']['containerStatuses'][0]['restartCount']]",
@@ -582,14 +582,14 @@ MUTANTS = [
     ),
     (
         "operator rolls every outdated group at once",
-        "services/operator/handlers.py",
+        "services/pipeserve_operator/handlers.py",
         "            may_roll = all(r.phase is Phase.READY for i, r in enumerate(records) if i != index)",
         "            may_roll = True",
         "tests/k8s/test_operator.py -k rolls",
     ),
     (
         "operator never rolls a changed spec out",
-        "services/operator/observe.py",
+        "services/pipeserve_operator/observe.py",
         "        outdated=wanted_hash is not None and template_hash(pod) != wanted_hash,",
         "        outdated=False,",
         "tests/k8s/test_operator.py -k rolls",
@@ -601,7 +601,7 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 PACKAGES = {
     "pipeserve": "services/pipeserve",
     "pipeserve_kernels": "kernels",
-    "pipeserve_operator": "services/operator",
+    "pipeserve_operator": "services/pipeserve_operator",
 }
 
 

@@ -24,15 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent / "services"
 ROLES = ("ring", "care", "stage", "router", "supervisor", "entrypoints", "cli")
 
 
-# services/<folder> -> its import name (pyproject.toml's package-dir)
-IMPORT_NAMES = {"operator": "pipeserve_operator"}
-
-
 def _modules() -> dict[str, Path]:
     mods = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
-        parts = (IMPORT_NAMES.get(parts[0], parts[0]), *parts[1:])
         mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 

@@ -23,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from chart_support import CHART, Tools, discovery_server, k8s_tools
+
 from pipeserve_operator.crd import crd_manifest
 
 EXAMPLE = ["--set", "example.enabled=true"]
@@ -245,8 +246,8 @@ def test_every_pod_is_locked_down(tools: Tools, case: str) -> None:
             )
 
 
-# What the operator calls (services/operator/kube.py, kopf's watch, finalizer and status patches, its
-# Events) and what the router's discovery calls (list + watch of one InferencePipeline).
+# What the operator calls (services/pipeserve_operator/kube.py, kopf's watch, finalizer and status patches,
+# its Events) and what the router's discovery calls (list + watch of one InferencePipeline).
 OPERATOR_RULES = {
     ("pipeserve.io", "inferencepipelines"): ["list", "watch", "patch"],
     ("pipeserve.io", "inferencepipelines/status"): ["patch"],

@@ -10,6 +10,7 @@ import copy
 import jsonschema
 import kubernetes_validate
 import pytest
+
 from pipeserve_operator.crd import crd_manifest, spec_schema, with_defaults
 from pipeserve_operator.resources import SpecError, engine_args, stage_service, stage_statefulset
 

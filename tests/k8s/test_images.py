@@ -28,11 +28,11 @@ from pathlib import Path
 import httpx
 import pytest
 from chart_support import ROOT, Tools, k8s_tools
-from pipeserve_operator.main import build_parser as operator_parser
-from pipeserve_operator.resources import stage_statefulset
 
 from pipeserve.care.launcher import free_port
 from pipeserve.cli import build_parser
+from pipeserve_operator.main import build_parser as operator_parser
+from pipeserve_operator.resources import stage_statefulset
 from serving_support import wait_http
 
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))

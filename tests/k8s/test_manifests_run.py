@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 from chart_support import k8s_tools
-from pipeserve_operator.resources import stage_statefulset
 
 from pipeserve.care.launcher import free_port
+from pipeserve_operator.resources import stage_statefulset
 from serving_support import wait_http, wait_until
 
 BIN = Path(sys.executable).parent

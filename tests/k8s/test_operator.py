@@ -32,6 +32,7 @@ from k8s_support import (
     pipeline,
     running,
 )
+
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.main import make_memo
 from pipeserve_operator.resources import GROUP_LABEL, PIPELINE_LABEL

@@ -6,6 +6,7 @@ from __future__ import annotations
 import kmock
 import pytest
 from k8s_support import NS, declare_resources
+
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.leader import LeaseElector
 
@@ -43,9 +44,9 @@ async def test_a_standby_answers_liveness_and_frees_the_port() -> None:
     # A standby waiting for the Lease is alive (the Deployment's probe must not restart it); once it
     # leads, kopf's own liveness endpoint takes the same port.
     import httpx
-    from pipeserve_operator.main import _standby_liveness
 
     from pipeserve.care.launcher import free_port
+    from pipeserve_operator.main import _standby_liveness
 
     port = free_port()
     runner = await _standby_liveness(port)

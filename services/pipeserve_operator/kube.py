@@ -1,0 +1,152 @@
+"""The operator's writes and reads of objects other than its own resource (kopf watches that one).
+
+The `kubernetes` client (synchronous) runs in `asyncio.to_thread`; every call carries a timeout
+(`REQUEST_TIMEOUT_S`, connect and read). Objects come back as plain dicts (`_preload_content=False`):
+the operator works on JSON like kopf's handlers do, and a missing field never fails a deserializer.
+Patches are JSON merge patches (`application/merge-patch+json`): a list in a patch replaces the list.
+List calls pass the label selector to the server and filter again here, so a server that ignores it
+(an emulator) cannot hand the operator another pipeline's pods.
+
+RBAC this module needs: pods (list, delete), services and statefulsets (get, list, create, patch,
+delete), coordination.k8s.io leases (get, create, patch) — see docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import kubernetes
+
+REQUEST_TIMEOUT_S = (5.0, 15.0)
+MERGE = "application/merge-patch+json"
+
+
+class NotFound(Exception):
+    pass
+
+
+class Conflict(Exception):
+    pass
+
+
+def api_client(host: str | None = None) -> kubernetes.client.ApiClient:
+    """A client for `host` (tests), else the in-cluster service account, else ~/.kube/config."""
+    if host is not None:
+        cfg = kubernetes.client.Configuration()
+        cfg.host = host
+        return kubernetes.client.ApiClient(cfg)
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    return kubernetes.client.ApiClient()
+
+
+def _matches(obj: dict[str, Any], labels: dict[str, str]) -> bool:
+    have = obj.get("metadata", {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())
+
+
+class Kube:
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.apps = kubernetes.client.AppsV1Api(client)
+        self.coordination = kubernetes.client.CoordinationV1Api(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        def call() -> dict[str, Any]:
+            try:
+                resp = fn(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S, **kwargs)
+            except kubernetes.client.ApiException as e:
+                if e.status == 404:
+                    raise NotFound(str(e.reason)) from e
+                if e.status == 409:
+                    raise Conflict(str(e.reason)) from e
+                raise
+            return json.loads(resp.data or b"{}")
+
+        return await asyncio.to_thread(call)
+
+    async def list_pods(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        out = await self._call(self.core.list_namespaced_pod, ns, label_selector=selector)
+        return [p for p in out.get("items") or [] if _matches(p, labels)]
+
+    async def delete_pod(self, ns: str, name: str) -> bool:
+        """False when it was already gone."""
+        try:
+            await self._call(self.core.delete_namespaced_pod, name, ns)
+        except NotFound:
+            return False
+        return True
+
+    async def list_statefulsets(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        out = await self._call(self.apps.list_namespaced_stateful_set, ns, label_selector=selector)
+        return [s for s in out.get("items") or [] if _matches(s, labels)]
+
+    async def get_statefulset(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.apps.read_namespaced_stateful_set, name, ns)
+        except NotFound:
+            return None
+
+    async def create_statefulset(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.apps.create_namespaced_stateful_set, ns, body)
+
+    async def patch_statefulset(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.apps.patch_namespaced_stateful_set, name, ns, patch, _content_type=MERGE)
+
+    async def delete_statefulset(self, ns: str, name: str) -> None:
+        try:
+            await self._call(self.apps.delete_namespaced_stateful_set, name, ns)
+        except NotFound:
+            pass
+
+    async def get_service(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.core.read_namespaced_service, name, ns)
+        except NotFound:
+            return None
+
+    async def create_service(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.core.create_namespaced_service, ns, body)
+
+    async def delete_service(self, ns: str, name: str) -> None:
+        try:
+            await self._call(self.core.delete_namespaced_service, name, ns)
+        except NotFound:
+            pass
+
+    async def get_network_policy(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.networking.read_namespaced_network_policy, name, ns)
+        except NotFound:
+            return None
+
+    async def create_network_policy(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.networking.create_namespaced_network_policy, ns, body)
+
+    async def delete_network_policy(self, ns: str, name: str) -> None:
+        try:
+            await self._call(self.networking.delete_namespaced_network_policy, name, ns)
+        except NotFound:
+            pass
+
+    async def get_lease(self, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.coordination.read_namespaced_lease, name, ns)
+        except NotFound:
+            return None
+
+    async def create_lease(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.coordination.create_namespaced_lease, ns, body)
+
+    async def patch_lease(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A patch that names metadata.resourceVersion fails with Conflict if the lease moved on."""
+        return await self._call(
+            self.coordination.patch_namespaced_lease, name, ns, patch, _content_type=MERGE
+        )

@@ -1,0 +1,315 @@
+"""Pure builders: an InferencePipeline (its body as a dict) → the objects of one group.
+
+    stage_statefulset(pipeline, index, generation) -> StatefulSet    stage_service(pipeline, index) -> Service
+    group_network_policy(pipeline, index) -> NetworkPolicy (with `pipeserve-operator --network-policies`)
+    group_endpoint(pipeline, index) -> "P-g<i>-0.P-g<i>.NS.svc:50051"
+
+Contract (shared with the chart, the router discovery and the images; see docs/kubernetes.md):
+* group i of pipeline P is a StatefulSet and a headless Service both named `P-g<i>`; the StatefulSet
+  runs `stages` pods at once (Parallel) and never replaces them by itself (OnDelete): the operator
+  replaces whole groups. The pod ordinal (`apps.kubernetes.io/pod-index`) is the rank.
+* the StatefulSet's selector never includes the generation label (a selector is immutable); its pod
+  template carries `pipeserve.io/group-generation`, the group incarnation the pods belong to.
+* every engine flag is checked against the real `pipeserve stage` parser: an unknown flag, a flag the
+  operator sets itself, or a value of the wrong shape raises `SpecError` (the operator reports it in
+  status and does not retry until the spec changes).
+Defaults: callers pass `spec` through `crd.with_defaults` first; the builders apply them again anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import math
+from typing import Any
+
+from pipeserve_operator.crd import GROUP, KIND, VERSION, with_defaults
+
+GRPC_PORT, HEALTH_PORT, RENDEZVOUS_PORT = 50051, 8080, 29500
+PIPELINE_LABEL, GROUP_LABEL = "pipeserve.io/pipeline", "pipeserve.io/group"
+GENERATION_LABEL, POD_INDEX_LABEL = "pipeserve.io/group-generation", "apps.kubernetes.io/pod-index"
+# Flags the operator derives from the spec's own fields: setting them through `engine` would contradict it.
+RESERVED_FLAGS = frozenset(
+    {"model", "rank", "world-size", "master-addr", "master-port", "rendezvous-file", "host", "health-port"}
+    | {"grpc-port", "wedge-timeout", "wedge-timeout-s", "layer-split", "host-cache-gb", "hicache-url"}
+)
+STARTUP_PERIOD_S = 10
+
+
+class SpecError(ValueError):
+    """The spec cannot be turned into runnable pods (retrying without a spec change will not help)."""
+
+
+def group_name(pipeline: dict, index: int) -> str:
+    return f"{pipeline['metadata']['name']}-g{index}"
+
+
+def group_endpoint(pipeline: dict, index: int) -> str:
+    name, ns = group_name(pipeline, index), pipeline["metadata"]["namespace"]
+    return f"{name}-0.{name}.{ns}.svc:{GRPC_PORT}"
+
+
+def pipeline_selector(pipeline: dict) -> dict[str, str]:
+    """The labels every stage pod of this pipeline carries (status.selector, for the scale subresource)."""
+    return {
+        "app.kubernetes.io/name": "pipeserve",
+        "app.kubernetes.io/component": "stage",
+        PIPELINE_LABEL: pipeline["metadata"]["name"],
+    }
+
+
+def group_selector(pipeline: dict, index: int) -> dict[str, str]:
+    return {**pipeline_selector(pipeline), GROUP_LABEL: str(index)}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def owner_reference(pipeline: dict) -> dict[str, Any]:
+    meta = pipeline["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(pipeline: dict, index: int) -> dict[str, Any]:
+    return {
+        "name": group_name(pipeline, index),
+        "namespace": pipeline["metadata"]["namespace"],
+        "labels": {**group_selector(pipeline, index), "app.kubernetes.io/managed-by": "pipeserve-operator"},
+        "ownerReferences": [owner_reference(pipeline)],
+    }
+
+
+def stage_service(pipeline: dict, index: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(pipeline, index),
+        "spec": {
+            "clusterIP": "None",
+            # Pod 0's DNS name must resolve before it is ready: the other ranks rendezvous with it.
+            "publishNotReadyAddresses": True,
+            "selector": group_selector(pipeline, index),
+            "ports": [
+                {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"},
+                {"name": "health", "port": HEALTH_PORT, "targetPort": "health"},
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous"},
+            ],
+        },
+    }
+
+
+ROUTER_POD_LABELS = {"app.kubernetes.io/name": "pipeserve", "app.kubernetes.io/component": "router"}
+
+
+def group_network_policy(pipeline: dict, index: int) -> dict[str, Any]:
+    """Ingress of one group's pods: the ring and the rendezvous only from the same group (gloo and NCCL
+    pick their ports at run time, so any port), stage 0's gRPC only from router pods, the health port
+    (/metrics; the kubelet's probes are not subject to policies) from the namespace. Per group because a
+    static policy cannot say "the same group as the target pod"."""
+    own = {"podSelector": {"matchLabels": group_selector(pipeline, index)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(pipeline, index),
+        "spec": {
+            "podSelector": {"matchLabels": group_selector(pipeline, index)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [own]},
+                {
+                    "from": [{"podSelector": {"matchLabels": dict(ROUTER_POD_LABELS)}}],
+                    "ports": [{"port": GRPC_PORT, "protocol": "TCP"}],
+                },
+                {"from": [{"podSelector": {}}], "ports": [{"port": HEALTH_PORT, "protocol": "TCP"}]},
+            ],
+        },
+    }
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    from pipeserve.cli import build_parser  # the real CLI: the flags cannot drift from what `stage` accepts
+
+    return build_parser()
+
+
+@functools.cache
+def _stage_options() -> dict[str, argparse.Action]:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt: action for action in sub.choices["stage"]._actions for opt in action.option_strings}
+
+
+def engine_args(engine: dict[str, Any]) -> list[str]:
+    """`engine` map → `pipeserve stage` flags; raises SpecError for anything the stage would reject."""
+    options, args = _stage_options(), []
+    for key, value in engine.items():
+        flag = "--" + key
+        if key.startswith("-") or flag not in options or key in ("help", "h"):
+            raise SpecError(f"engine.{key}: not a `pipeserve stage` flag")
+        if key in RESERVED_FLAGS:
+            raise SpecError(f"engine.{key}: set by the operator from the spec; use the spec's own field")
+        action = options[flag]
+        takes_value = action.nargs != 0
+        if isinstance(value, bool):
+            if takes_value:
+                raise SpecError(f"engine.{key}: takes a value, not {str(value).lower()}")
+            if value:
+                args.append(flag)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                args.append("--no-" + key)
+        elif isinstance(value, int | float | str) and takes_value:
+            args += [flag, str(value)]
+        else:
+            raise SpecError(f"engine.{key}: {value!r} is not a valid value for this flag")
+    return args
+
+
+def stage_args(spec: dict[str, Any]) -> list[str]:
+    args = ["--model", spec["model"]["path"], "--world-size", str(spec["stages"])]
+    args += ["--host", "0.0.0.0", "--health-port", str(HEALTH_PORT), "--grpc-port", str(GRPC_PORT)]
+    args += ["--wedge-timeout-s", str(spec["wedgeTimeoutSeconds"])]
+    if spec["model"].get("servedModelName") and "served-model-name" not in spec.get("engine", {}):
+        args += ["--served-model-name", spec["model"]["servedModelName"]]
+    if spec.get("layerSplit"):
+        if len(spec["layerSplit"]) != spec["stages"]:
+            raise SpecError("layerSplit: must have one entry per stage")
+        args += ["--layer-split", ",".join(str(n) for n in spec["layerSplit"])]
+    if spec.get("hicache", {}).get("hostCacheGB") is not None:
+        args += ["--host-cache-gb", str(spec["hicache"]["hostCacheGB"])]
+    args += engine_args(spec.get("engine") or {})
+    # Parse the whole line as the stage will: a value of the wrong type fails here, not in a crash loop.
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            _parser().parse_args(["stage", *args, "--rank", "0"], namespace=argparse.Namespace())
+    except SystemExit as e:
+        why = err.getvalue().strip().splitlines()[-1:] or ["rejected"]
+        raise SpecError(f"the stage would reject its arguments: {why[0]}") from e
+    return args
+
+
+def _env(pipeline: dict, index: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    name, ns = group_name(pipeline, index), pipeline["metadata"]["namespace"]
+    env: list[dict[str, Any]] = [
+        {
+            "name": "PIPESERVE_RANK",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
+        },
+        {"name": "PIPESERVE_WORLD_SIZE", "value": str(spec["stages"])},
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}.{ns}.svc"},
+        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only: caches go to the emptyDir
+    ]
+    hicache = spec.get("hicache") or {}
+    if hicache.get("url"):
+        env.append({"name": "PIPESERVE_HICACHE_URL", "value": hicache["url"]})
+    elif hicache.get("secretRef"):
+        ref = hicache["secretRef"]
+        secret = {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "url")}}
+        env.append({"name": "PIPESERVE_HICACHE_URL", "valueFrom": secret})
+    nccl = spec.get("nccl") or {}
+    if nccl.get("socketIfname"):
+        env += [
+            {"name": n, "value": nccl["socketIfname"]} for n in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+        ]
+    if nccl.get("debug"):
+        env.append({"name": "NCCL_DEBUG", "value": nccl["debug"]})
+    return env + [dict(e) for e in spec.get("env") or []]
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "health"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def _volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    model = spec["model"]
+    if model.get("persistentVolumeClaim"):
+        pvc = {"claimName": model["persistentVolumeClaim"], "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": pvc})
+    elif model.get("hostPath"):
+        volumes.append({"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}})
+    if len(volumes) > 1:
+        mounts.append({"name": "model", "mountPath": model["mountPath"], "readOnly": True})
+    return volumes, mounts
+
+
+def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, Any]:
+    spec = with_defaults(pipeline["spec"])
+    if spec["model"].get("persistentVolumeClaim") and spec["model"].get("hostPath"):
+        raise SpecError("model.persistentVolumeClaim and model.hostPath are mutually exclusive")
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": "stage",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["pipeserve", "stage"],
+        "args": stage_args(spec),
+        "env": _env(pipeline, index, spec),
+        "ports": [
+            {"name": "grpc", "containerPort": GRPC_PORT},
+            {"name": "health", "containerPort": HEALTH_PORT},
+            {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+        ],
+        "livenessProbe": _probe("/livez", 10, 3),
+        "readinessProbe": _probe("/readyz", 5, 1),
+        # Model loading: the startup probe allows the whole startup deadline before liveness takes over.
+        "startupProbe": _probe(
+            "/livez", STARTUP_PERIOD_S, math.ceil(spec["startupDeadlineSeconds"] / STARTUP_PERIOD_S)
+        ),
+        "resources": spec.get("resources") or {},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    labels = {**group_selector(pipeline, index), "app.kubernetes.io/managed-by": "pipeserve-operator"}
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(pipeline, index),
+        "spec": {
+            "serviceName": group_name(pipeline, index),
+            "replicas": spec["stages"],
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": group_selector(pipeline, index)},
+            "template": {
+                "metadata": {"labels": {**labels, GENERATION_LABEL: str(generation)}},
+                "spec": pod_spec,
+            },
+        },
+    }
