@@ -44,8 +44,8 @@ MUTANTS = [
     (
         "release leaks a block",
         "services/pipeserve/engine/block_manager.py",
-        "        for bid in reversed(req.block_ids):",
-        "        for bid in reversed(req.block_ids[1:]):",
+        "        for bid in reversed(block_ids):",
+        "        for bid in reversed(block_ids[1:]):",
         "tests/engine/test_engine_correctness.py -k mixed",
     ),
     (
@@ -179,7 +179,7 @@ MUTANTS = [
     (
         "LLM exit does not shut the ring down",
         "services/pipeserve/entrypoints/llm.py",
-        "        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group)",
+        "        self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group, self.redis)",
         "        self._finalizer = weakref.finalize(self, lambda: None)",
         "tests/ring/test_pipeline_lifecycle.py -k 'driver and exit'",
     ),
