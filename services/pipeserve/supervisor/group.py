@@ -85,9 +85,13 @@ class GroupSlot:
         self.started_at = time.monotonic()
         self.probe_failures = {}
 
+    def exited(self) -> dict[int, int]:
+        """rank -> exit status of this incarnation's stages that have exited."""
+        return self.group.exited() if self.group else {}
+
     def group_exited(self) -> bool:
         """A stage of this incarnation has exited (no need to probe the others: the decision is made)."""
-        return bool(self.group and self.group.exited())
+        return bool(self.exited())
 
     def observe(self, ready: dict[int, bool], wedged: dict[int, str]) -> tuple[StageObservation, ...]:
         """This incarnation's stages as the decision function sees them (probe results from the caller)."""
