@@ -1,4 +1,4 @@
-"""Every mutant in tests/mutants.py still applies: its snippet is in its file (the runner replaces the first one).
+"""Every mutant in tests/mutants.py still applies: its snippet is in its file (the runner replaces the first).
 
 A mutant whose snippet has moved away (the code was rewritten) cannot break its rule any more, so
 its RED proves nothing; this check names it the moment the code changes, not at the next mutant run.

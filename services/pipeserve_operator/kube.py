@@ -70,6 +70,21 @@ class Kube:
 
         return await asyncio.to_thread(call)
 
+    async def _read(self, fn: Any, name: str, ns: str) -> dict[str, Any] | None:
+        """The object, or None when there is none."""
+        try:
+            return await self._call(fn, name, ns)
+        except NotFound:
+            return None
+
+    async def _delete(self, fn: Any, name: str, ns: str) -> bool:
+        """False when it was already gone (deleting is idempotent for the operator)."""
+        try:
+            await self._call(fn, name, ns)
+        except NotFound:
+            return False
+        return True
+
     async def list_pods(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
         out = await self._call(self.core.list_namespaced_pod, ns, label_selector=selector)
@@ -77,11 +92,7 @@ class Kube:
 
     async def delete_pod(self, ns: str, name: str) -> bool:
         """False when it was already gone."""
-        try:
-            await self._call(self.core.delete_namespaced_pod, name, ns)
-        except NotFound:
-            return False
-        return True
+        return await self._delete(self.core.delete_namespaced_pod, name, ns)
 
     async def list_statefulsets(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -89,10 +100,7 @@ class Kube:
         return [s for s in out.get("items") or [] if _matches(s, labels)]
 
     async def get_statefulset(self, ns: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self._call(self.apps.read_namespaced_stateful_set, name, ns)
-        except NotFound:
-            return None
+        return await self._read(self.apps.read_namespaced_stateful_set, name, ns)
 
     async def create_statefulset(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.apps.create_namespaced_stateful_set, ns, body)
@@ -101,46 +109,28 @@ class Kube:
         return await self._call(self.apps.patch_namespaced_stateful_set, name, ns, patch, _content_type=MERGE)
 
     async def delete_statefulset(self, ns: str, name: str) -> None:
-        try:
-            await self._call(self.apps.delete_namespaced_stateful_set, name, ns)
-        except NotFound:
-            pass
+        await self._delete(self.apps.delete_namespaced_stateful_set, name, ns)
 
     async def get_service(self, ns: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self._call(self.core.read_namespaced_service, name, ns)
-        except NotFound:
-            return None
+        return await self._read(self.core.read_namespaced_service, name, ns)
 
     async def create_service(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.core.create_namespaced_service, ns, body)
 
     async def delete_service(self, ns: str, name: str) -> None:
-        try:
-            await self._call(self.core.delete_namespaced_service, name, ns)
-        except NotFound:
-            pass
+        await self._delete(self.core.delete_namespaced_service, name, ns)
 
     async def get_network_policy(self, ns: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self._call(self.networking.read_namespaced_network_policy, name, ns)
-        except NotFound:
-            return None
+        return await self._read(self.networking.read_namespaced_network_policy, name, ns)
 
     async def create_network_policy(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.networking.create_namespaced_network_policy, ns, body)
 
     async def delete_network_policy(self, ns: str, name: str) -> None:
-        try:
-            await self._call(self.networking.delete_namespaced_network_policy, name, ns)
-        except NotFound:
-            pass
+        await self._delete(self.networking.delete_namespaced_network_policy, name, ns)
 
     async def get_lease(self, ns: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self._call(self.coordination.read_namespaced_lease, name, ns)
-        except NotFound:
-            return None
+        return await self._read(self.coordination.read_namespaced_lease, name, ns)
 
     async def create_lease(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.coordination.create_namespaced_lease, ns, body)

@@ -200,14 +200,7 @@ def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, no
             ready = _replace(record, phase=Phase.READY, ready_at=now, ever_ready=True)
             return Decision(Action.NONE, ready, "ready", stale)
         if obs.may_roll and any(s.outdated for s in current.values()):
-            rolled = _replace(
-                record,
-                generation=record.generation + 1,
-                phase=Phase.RESTARTING,
-                ready_at=None,
-                rollouts=record.rollouts + 1,
-                restart_at=now,
-            )
+            rolled = _stop_generation(record, rollouts=record.rollouts + 1, restart_at=now)
             return Decision(Action.ROLL, rolled, "the spec changed: rolling update", _all_ranks(obs))
         if record.ready_at is not None and now - record.ready_at >= policy.stable_s:
             if record.failures_in_a_row:
@@ -260,17 +253,20 @@ def _restart(
     record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, now: float, cause: str
 ) -> Decision:
     delay = policy.backoff(record.failures_in_a_row)
-    stopped = _replace(
+    stopped = _stop_generation(
         record,
-        generation=record.generation + 1,
-        phase=Phase.RESTARTING,
-        ready_at=None,
         restarts=record.restarts + 1,
         failures_in_a_row=record.failures_in_a_row + 1,
         restart_at=now + delay,
         last_failure=cause,
     )
     return Decision(Action.RESTART, stopped, cause, _all_ranks(obs), delay)
+
+
+def _stop_generation(record: GroupRecord, **changes: object) -> GroupRecord:
+    """The record once the current generation's pods are to go: the next one is what counts from now."""
+    nxt = record.generation + 1
+    return _replace(record, generation=nxt, phase=Phase.RESTARTING, ready_at=None, **changes)
 
 
 def _all_ranks(obs: GroupObservation) -> tuple[int, ...]:
