@@ -1,0 +1,1 @@
+"""Observability shared by every process: traces, logs, the flight recorder (see docs/observability.md)."""
