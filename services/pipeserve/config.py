@@ -92,6 +92,11 @@ class EngineConfig:
     hicache_timeout_s: float = 1.0  # socket deadline of every Redis call
     hicache_ttl_s: int | None = None  # expiry of stored pages; None: kept until Redis evicts them
     hicache_write_queue: int = 256  # pages a stage may have queued for L3; more are dropped (counted)
+    # --- flight recorder (obs/flight.py, docs/observability.md) ---
+    flight_records: int = 1024  # plans each stage keeps for a dump (0: no recorder)
+    flight_max_mib: float = 64.0  # ... and at most this much memory for them; the oldest go first
+    # where dumps are written; None: $PIPESERVE_HOME/flight (~/.cache/pipeserve/flight)
+    flight_dir: str | None = field(default=None, metadata={"env": "PIPESERVE_FLIGHT_DIR"})
 
     @property
     def l3_url(self) -> str | None:
@@ -152,6 +157,9 @@ class EngineConfig:
         need(self.hicache_timeout_s > 0, "hicache_timeout_s", "must be > 0")
         need(self.hicache_ttl_s is None or self.hicache_ttl_s >= 1, "hicache_ttl_s", "must be >= 1")
         need(self.hicache_write_queue >= 1, "hicache_write_queue", "must be >= 1")
+        need(self.flight_records >= 0, "flight_records", "must be >= 0")
+        need(self.flight_max_mib >= 0.01, "flight_max_mib", "must be >= 0.01")
+        need(self.flight_dir is None or bool(self.flight_dir), "flight_dir", "must not be empty")
 
     def split_ranges(self) -> list[tuple[int, int]] | None:
         return None if self.layer_split is None else parse_layer_split(self.layer_split)

@@ -206,6 +206,7 @@ def _env(pipeline: dict, index: int, spec: dict[str, Any]) -> list[dict[str, Any
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         },
         {"name": "PIPESERVE_WORLD_SIZE", "value": str(spec["stages"])},
+        {"name": "PIPESERVE_GROUP", "value": name},  # names the group in logs and flight dumps
         {"name": "MASTER_ADDR", "value": f"{name}-0.{name}.{ns}.svc"},
         {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only: caches go to the emptyDir

@@ -119,21 +119,21 @@ def test_cached_share_unknown_when_the_server_does_not_say():
 def test_parse_counters_sums_labelled_samples():
     page = "\n".join(
         [
-            "# HELP pipeserve_hicache_l3_read_bytes_total page bytes read from L3",
-            'pipeserve_hicache_l3_read_bytes_total{rank="0"} 1.5e+03',
-            'pipeserve_hicache_l3_read_bytes_total{rank="1"} 500.0',
-            "pipeserve_hicache_l3_written_bytes_total 7",
-            'pipeserve_hicache_l3_read_bytes_created{rank="0"} 1.7e9',
+            "# HELP pipeserve:hicache_l3_read_bytes_total page bytes read from L3",
+            'pipeserve:hicache_l3_read_bytes_total{rank="0"} 1.5e+03',
+            'pipeserve:hicache_l3_read_bytes_total{rank="1"} 500.0',
+            "pipeserve:hicache_l3_written_bytes_total 7",
+            'pipeserve:hicache_l3_read_bytes_created{rank="0"} 1.7e9',
         ]
     )
     got = multiturn.parse_counters(page, multiturn.BYTE_COUNTERS)
     assert got == {
-        "pipeserve_hicache_l3_read_bytes_total": 2000.0,
-        "pipeserve_hicache_l3_written_bytes_total": 7.0,
+        "pipeserve:hicache_l3_read_bytes_total": 2000.0,
+        "pipeserve:hicache_l3_written_bytes_total": 7.0,
     }
     assert multiturn.bytes_per_token(got, {k: v * 2 for k, v in got.items()}, 100) == {
-        "pipeserve_hicache_l3_read_bytes_total": 20.0,
-        "pipeserve_hicache_l3_written_bytes_total": 0.07,
+        "pipeserve:hicache_l3_read_bytes_total": 20.0,
+        "pipeserve:hicache_l3_written_bytes_total": 0.07,
     }
     assert multiturn.bytes_per_token(None, got, 100) is None
 

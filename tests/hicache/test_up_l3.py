@@ -27,7 +27,7 @@ def _group(up: UpProcess, name: str) -> dict:
 
 def _l3_hit_tokens(group: dict) -> float:
     text = httpx.get(group["health"][0] + "/metrics", timeout=5).text
-    return metric(text, "pipeserve_prefix_hit_tokens_total", tier="l3") or 0.0
+    return metric(text, "pipeserve:prefix_cache_hits_total", tier="l3") or 0.0
 
 
 def _ids(group: dict, rid: str, prompt: list[int]) -> list[int]:

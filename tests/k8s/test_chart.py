@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -341,6 +342,9 @@ def test_dashboards_render_one_configmap_per_json(tools: Tools, tmp_path: Path) 
     names = sorted(p.name for p in (chart / "dashboards").glob("*.json"))
     assert sorted(next(iter(m["data"])) for m in maps) == names
     assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" for m in maps)
+    # The dashboard the chart ships (docs/observability.md) arrives whole, as Grafana reads it.
+    shipped = next(m["data"]["pipeserve.json"] for m in maps if "pipeserve.json" in m["data"])
+    assert json.loads(shipped) == json.loads((CHART / "dashboards" / "pipeserve.json").read_text())
     for m in maps:
         kubernetes_validate.validate(m, "1.35", strict=True)
     off = tools.objects("--set", "dashboards.enabled=false", chart=chart)

@@ -97,7 +97,7 @@ class Cluster:
         return httpx.get(self.url + "/metrics", timeout=10).text
 
     def ready(self, group: str) -> float | None:
-        return metric(self.metrics(), "pipeserve_router_group_ready", group=group)
+        return metric(self.metrics(), "pipeserve:router_group_ready", group=group)
 
     def complete(self, timeout_s: float = 60) -> httpx.Response:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
@@ -181,13 +181,13 @@ def test_a_dead_group_is_retried_on_another(cluster: Cluster) -> None:
     c = cluster
     c.api.set_groups([(0, "Ready", c.endpoint(0)), (1, "Ready", c.endpoint(1))])
     wait_until(lambda: c.ready("group-0") == 1 and c.ready("group-1") == 1, 15, "both groups routed")
-    retries = metric(c.metrics(), "pipeserve_router_retries_total") or 0.0
+    retries = metric(c.metrics(), "pipeserve:router_retries_total") or 0.0
     c.slots[1].kill(grace_s=5.0)  # still Ready in status, and in the router until its next poll
     for _ in range(4):  # round-robin: some of these are sent to the dead group first
         t0 = time.monotonic()
         c.serves()
         assert time.monotonic() - t0 < 15.0
-    assert (metric(c.metrics(), "pipeserve_router_retries_total") or 0.0) > retries
+    assert (metric(c.metrics(), "pipeserve:router_retries_total") or 0.0) > retries
 
 
 def test_deleting_the_pipeline_stops_routing(cluster: Cluster) -> None:

@@ -111,7 +111,9 @@ def test_stop_string_trims_and_frees_the_request(
     # The cancelled calls were aborted on stage 0 (not run to max_tokens): no block held.
     aborted = sum(
         metric(
-            httpx.get(s.health_url(0) + "/metrics").text, "pipeserve_requests_finished_total", reason="abort"
+            httpx.get(s.health_url(0) + "/metrics").text,
+            "pipeserve:request_success_total",
+            finished_reason="abort",
         )
         or 0
         for s in slots.values()
@@ -119,7 +121,7 @@ def test_stop_string_trims_and_frees_the_request(
     assert aborted == 2
     for s in slots.values():
         wait_until(
-            lambda s=s: metric(httpx.get(s.health_url(0) + "/metrics").text, "pipeserve_kv_blocks_used") == 0,
+            lambda s=s: metric(httpx.get(s.health_url(0) + "/metrics").text, "pipeserve:kv_blocks_used") == 0,
             10,
             f"{s.name} blocks freed",
         )
@@ -166,11 +168,11 @@ def test_killed_group_is_retried_elsewhere_then_503_when_none_is_left(
     """Last in this module: it kills the groups."""
     slots["g0"].group.procs[0].send_signal(signal.SIGKILL)  # type: ignore[union-attr]
     wait_until(lambda: slots["g0"].group_exited(), 10, "g0 exited")
-    before = metric(httpx.get(router.url + "/metrics").text, "pipeserve_router_retries_total")
+    before = metric(httpx.get(router.url + "/metrics").text, "pipeserve:router_retries_total")
     for _ in range(3):  # round-robin: one of these picks the dead group first
         r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
         assert r.choices[0].text
-    after = metric(httpx.get(router.url + "/metrics").text, "pipeserve_router_retries_total")
+    after = metric(httpx.get(router.url + "/metrics").text, "pipeserve:router_retries_total")
     assert after == before + 1  # the failure marked g0 unready: only one request paid a retry
     assert [g["ready"] for g in router.call(router.replicas.snapshot)] == [False, True]
     slots["g1"].kill(grace_s=5.0)

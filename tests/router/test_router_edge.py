@@ -134,7 +134,7 @@ def one_line(caplog: pytest.LogCaptureFixture, needle: str) -> None:
 
 def completions_counted(h: RouterHarness, status: int) -> float:
     text = httpx.get(h.url + "/metrics", timeout=10).text
-    name = "pipeserve_router_requests_total"
+    name = "pipeserve:router_requests_total"
     return metric(text, name, endpoint="/v1/completions", status=str(status)) or 0
 
 

@@ -51,7 +51,7 @@ def test_failure_before_first_token_is_retried_once_on_another_group(
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "one two"
         assert len(stages["g1"].requests) == 4  # every request ended on g1
         assert 1 <= len(stages["g0"].requests) <= 4
-        assert metric(metrics(h), "pipeserve_router_retries_total") == len(stages["g0"].requests)
+        assert metric(metrics(h), "pipeserve:router_retries_total") == len(stages["g0"].requests)
         wait_until(lambda: stages["g0"].active == 0, 5, "failed calls ended on g0")
         if mode == "stall_first":
             assert stages["g0"].cancelled == len(stages["g0"].requests)  # our deadline cancelled them
@@ -70,7 +70,7 @@ def test_retry_avoids_the_failed_group_even_when_the_policy_prefers_it(
             r = complete(h)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "one two"
         assert len(stages[other].requests) == 3
-        assert metric(metrics(h), "pipeserve_router_retries_total") == 3
+        assert metric(metrics(h), "pipeserve:router_retries_total") == 3
 
 
 def test_no_retry_when_no_other_group_and_codes_map_to_503_429(llama_dir: Path, reply: list[int]) -> None:
@@ -161,7 +161,7 @@ def test_max_concurrency_gives_429_then_service_resumes(llama_dir: Path, reply: 
             assert "data: [DONE]" in list(lines)
         stage.token_delay_s = 0
         wait_until(lambda: complete(h).status_code == 200, 5, "slot released")
-        assert metric(metrics(h), "pipeserve_router_requests_in_flight") == 0
+        assert metric(metrics(h), "pipeserve:router_requests_in_flight") == 0
 
 
 def test_client_disconnect_cancels_upstream(llama_dir: Path, reply: list[int]) -> None:
@@ -178,7 +178,7 @@ def test_client_disconnect_cancels_upstream(llama_dir: Path, reply: list[int]) -
         wait_until(lambda: stage.cancelled == 2 and stage.active == 0, 5, "blocking call cancelled")
         stage.mode, stage.token_delay_s = "ok", 0
         wait_until(lambda: complete(h).status_code == 200, 5, "service after disconnects")
-        assert metric(metrics(h), "pipeserve_router_requests_in_flight") == 0
+        assert metric(metrics(h), "pipeserve:router_requests_in_flight") == 0
 
 
 def test_set_down_stops_routing_until_polls_see_the_group_restart(llama_dir: Path, reply: list[int]) -> None:

@@ -239,15 +239,15 @@ def test_models_health_and_metrics(router: RouterHarness) -> None:
     post(router, "/v1/completions", {"prompt": "x", "max_tokens": 0})
     text = httpx.get(router.url + "/metrics").text
     for name in (
-        'pipeserve_router_requests_total{endpoint="/v1/completions",status="200"}',
-        'pipeserve_router_requests_total{endpoint="/v1/completions",status="400"}',
-        "pipeserve_router_time_to_first_token_seconds_bucket",
-        "pipeserve_router_inter_token_latency_seconds_bucket",
-        "pipeserve_router_e2e_request_latency_seconds_count",
-        "pipeserve_router_generation_tokens_total 2.0",
-        'pipeserve_router_group_ready{group="g0"} 1.0',
-        'pipeserve_router_group_kv_blocks_total{group="g0"} 64.0',
-        "pipeserve_router_requests_in_flight 0.0",
+        'pipeserve:router_requests_total{endpoint="/v1/completions",status="200"}',
+        'pipeserve:router_requests_total{endpoint="/v1/completions",status="400"}',
+        "pipeserve:router_time_to_first_token_seconds_bucket",
+        "pipeserve:router_inter_token_latency_seconds_bucket",
+        "pipeserve:router_e2e_request_latency_seconds_count",
+        "pipeserve:router_generation_tokens_total 2.0",
+        'pipeserve:router_group_ready{group="g0"} 1.0',
+        'pipeserve:router_group_kv_pool_blocks{group="g0"} 64.0',
+        "pipeserve:router_requests_in_flight 0.0",
     ):
         assert name in text, name
 
@@ -294,4 +294,4 @@ def test_routes_added_by_the_caller_get_the_same_error_shape(llama_dir: Path) ->
         assert c.get("/health").status_code == 503  # the replica set never polled: nothing is ready
         r = c.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
-        assert 'pipeserve_router_requests_total{endpoint="/boom",status="500"} 1.0' in c.get("/metrics").text
+        assert 'pipeserve:router_requests_total{endpoint="/boom",status="500"} 1.0' in c.get("/metrics").text

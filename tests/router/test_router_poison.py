@@ -54,7 +54,7 @@ def _complete(router: RouterHarness, prompt: list[int]) -> httpx.Response:
 
 
 def _retries(router: RouterHarness) -> float:
-    return metric(httpx.get(router.url + "/metrics").text, "pipeserve_router_retries_total") or 0.0
+    return metric(httpx.get(router.url + "/metrics").text, "pipeserve:router_retries_total") or 0.0
 
 
 def test_a_failing_request_is_its_own_failure(router: RouterHarness, slots: dict[str, GroupSlot]) -> None:

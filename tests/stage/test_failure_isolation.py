@@ -116,12 +116,12 @@ def test_request_failure_on_a_stage_fails_only_that_request(
 
         def drained() -> bool:
             text = httpx.get(slot.health_url(0) + "/metrics").text
-            held = [metric(text, "pipeserve_group_stage_blocks_held", stage=str(r)) for r in (0, 1)]
-            return metric(text, "pipeserve_kv_blocks_used") == 0 and held == [0, 0]
+            held = [metric(text, "pipeserve:group_stage_blocks_held", stage=str(r)) for r in (0, 1)]
+            return metric(text, "pipeserve:kv_blocks_used") == 0 and held == [0, 0]
 
         wait_until(drained, 10, "every stage holding 0 blocks")
         text = httpx.get(slot.health_url(0) + "/metrics").text
-        assert metric(text, "pipeserve_requests_finished_total", reason="error") == 1
+        assert metric(text, "pipeserve:request_errors_total") == 1
         assert not slot.group_exited()
         assert s.Health(pb.HealthRequest(), timeout=5).ready
         # The group keeps serving: the same poison again, then a normal request.

@@ -30,19 +30,19 @@ def test_generate_matches_hf_and_cancel_frees_blocks_on_every_stage(llama_dir: P
         # A cancelled call (the router's client went away) aborts the request on every stage.
         call = s.Generate(greedy_request("b", prompt * 3, 500, ignore_eos=True), timeout=60)
         next(call)
-        used = metric(httpx.get(slot.health_url(0) + "/metrics").text, "pipeserve_kv_blocks_used")
+        used = metric(httpx.get(slot.health_url(0) + "/metrics").text, "pipeserve:kv_blocks_used")
         assert used and used > 0
         call.cancel()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             text = httpx.get(slot.health_url(0) + "/metrics").text
-            held = [metric(text, "pipeserve_group_stage_blocks_held", stage=str(r)) for r in (0, 1)]
-            if metric(text, "pipeserve_kv_blocks_used") == 0 and held == [0, 0]:
+            held = [metric(text, "pipeserve:group_stage_blocks_held", stage=str(r)) for r in (0, 1)]
+            if metric(text, "pipeserve:kv_blocks_used") == 0 and held == [0, 0]:
                 break
             time.sleep(0.1)
-        assert metric(text, "pipeserve_kv_blocks_used") == 0, text
+        assert metric(text, "pipeserve:kv_blocks_used") == 0, text
         assert held == [0, 0], f"blocks still held by stage (0, 1): {held}"
-        assert metric(text, "pipeserve_requests_finished_total", reason="abort") == 1
+        assert metric(text, "pipeserve:request_success_total", finished_reason="abort") == 1
 
         # Invalid input is INVALID_ARGUMENT naming the field; the server keeps serving.
         with pytest.raises(grpc.RpcError) as err:
@@ -89,7 +89,7 @@ def test_sigterm_drains_running_requests_then_the_ring_stops_cleanly(llama_dir: 
         t = threading.Thread(target=long_request)
         t.start()
         metrics = slot.health_url(0) + "/metrics"
-        running = "pipeserve_requests_running"
+        running = "pipeserve:num_requests_running"
         wait_until(lambda: metric(httpx.get(metrics).text, running) == 1, 30, "the long request", 0.05)
         procs = slot.group.procs  # type: ignore[union-attr]
         procs[0].send_signal(signal.SIGTERM)

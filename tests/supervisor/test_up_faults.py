@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from pipeline_support import pid_alive, wait_dead
-from serving_support import UpProcess, metric, wait_until
+from serving_support import UpProcess, metric, metric_sum, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,10 @@ def _complete(url: str, model: str, prompt: list[int], max_tokens: int = 4) -> h
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 
 
-def _restarts(up: UpProcess, name: str = "group-0") -> float | None:
-    return metric(httpx.get(up.url + "/metrics").text, "pipeserve_group_restarts_total", group=name)
+def _restarts(up: UpProcess, name: str = "group-0", **cause: str) -> float:
+    """The group's restarts (over every cause, or one: `cause="wedged"`)."""
+    text = httpx.get(up.url + "/metrics").text
+    return metric_sum(text, "pipeserve:group_restarts_total", group=name, **cause)
 
 
 def _group(up: UpProcess, name: str) -> dict:
@@ -93,7 +95,7 @@ def _in_flight(up: UpProcess, model: str, n: int) -> tuple[list, list[threading.
 
 def _running(group: dict) -> float:
     text = httpx.get(group["health"][0] + "/metrics").text
-    return metric(text, "pipeserve_requests_running") or 0
+    return metric(text, "pipeserve:num_requests_running") or 0
 
 
 def _until_running(up: UpProcess, group: dict, n: int) -> None:
@@ -126,10 +128,9 @@ def test_killed_then_frozen_stage_restarts_the_whole_group(llama_dir: Path, tmp_
         assert "stage 1 exited" in g["last_failure"] or "stage 0 exited" in g["last_failure"]
         r = _complete(up.url, model, [5, 6, 7])
         assert r.status_code == 200, r.text
-        assert (
-            metric(httpx.get(up.url + "/metrics").text, "pipeserve_group_restarts_total", group="group-0")
-            == 1
-        )
+        assert _restarts(up) == 1
+        # Stage 0 may have stopped the group (exit 3) before the supervisor saw stage 1's SIGKILL.
+        assert _restarts(up, cause="killed") + _restarts(up, cause="group_stop") == 1
 
         # 2. SIGSTOP stage 1 during requests: stage 0's wedge detector stops the group.
         out, threads = _in_flight(up, model, 4)
@@ -148,12 +149,10 @@ def test_killed_then_frozen_stage_restarts_the_whole_group(llama_dir: Path, tmp_
         for i in range(3):
             assert _complete(up.url, model, [11 + i, 12, 13]).status_code == 200
         text = httpx.get(g["health"][0] + "/metrics").text
-        assert metric(text, "pipeserve_kv_blocks_used") == 0, text
-        assert metric(text, "pipeserve_group_stage_blocks_held", stage="1") == 0
-        assert (
-            metric(httpx.get(up.url + "/metrics").text, "pipeserve_group_restarts_total", group="group-0")
-            == 2
-        )
+        assert metric(text, "pipeserve:kv_blocks_used") == 0, text
+        assert metric(text, "pipeserve:group_stage_blocks_held", stage="1") == 0
+        assert _restarts(up) == 2
+        assert _restarts(up, cause="wedged") + _restarts(up, cause="unresponsive") == 1
     finally:
         code = up.stop()
     assert code == 0, up.log()[-3000:]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 import httpx
+from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs shipped
 
 from pipeserve.bench.metrics import RequestResult
 from pipeserve.bench.workloads import BenchRequest
@@ -138,7 +139,7 @@ async def send_request(
 ) -> RequestResult:
     """One streamed completion; `extra` adds fields to the body (e.g. return_token_ids)."""
     result = RequestResult(prompt_len=req.prompt_len)
-    start = time.perf_counter()
+    start = result.start = time.perf_counter()
     try:
         # asyncio.timeout bounds the whole request; httpx's timeout only bounds each read.
         async with asyncio.timeout(timeout_s):
@@ -165,30 +166,33 @@ async def run_requests(
     timeout_s: float,
     progress: bool = False,
 ) -> tuple[list[RequestResult], float]:
-    """Sends every request at its arrival offset, at most `concurrency` at once.
+    """Sends every request at its arrival offset, at most `concurrency` at once; `progress`: a tqdm
+    bar of completed requests on stderr (failures counted in its postfix).
 
     Returns the results in request order and the duration (first send to last finish).
     """
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
     sem = asyncio.Semaphore(concurrency)
-    finished = 0
-    step = max(1, len(requests) // 10)
+    failed = 0
 
-    async def one(req: BenchRequest) -> RequestResult:
-        nonlocal finished
-        async with sem:
-            result = await send_request(client, model, req, timeout_s)
-        finished += 1
-        if progress and (finished % step == 0 or finished == len(requests)):
-            print(f"# {finished}/{len(requests)} requests done", file=sys.stderr, flush=True)
-        return result
+    with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr, disable=not progress) as bar:
 
-    tasks: list[asyncio.Task[RequestResult]] = []
-    start = time.perf_counter()
-    for req, offset in zip(requests, arrivals, strict=True):
-        if (wait := start + offset - time.perf_counter()) > 0:
-            await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(req)))
-    results = list(await asyncio.gather(*tasks))
+        async def one(req: BenchRequest) -> RequestResult:
+            nonlocal failed
+            async with sem:
+                result = await send_request(client, model, req, timeout_s)
+            bar.update(1)
+            if not result.success:
+                failed += 1
+                bar.set_postfix(failed=failed, refresh=False)
+            return result
+
+        tasks: list[asyncio.Task[RequestResult]] = []
+        start = time.perf_counter()
+        for req, offset in zip(requests, arrivals, strict=True):
+            if (wait := start + offset - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one(req)))
+        results = list(await asyncio.gather(*tasks))
     return results, time.perf_counter() - start

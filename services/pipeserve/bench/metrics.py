@@ -31,6 +31,7 @@ class RequestResult:
     error: str = ""
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     token_ids: list[int] = field(default_factory=list)  # generated ids, when the server returns them
+    start: float = 0.0  # time.perf_counter() when sent (plots over time: bench/plot.py)
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float | None]:

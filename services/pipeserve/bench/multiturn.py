@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 import httpx
+from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs shipped
 
 from pipeserve.bench import client, metrics, workloads
 from pipeserve.bench.metrics import RequestResult
@@ -31,7 +32,7 @@ from pipeserve.bench.workloads import Conversation
 
 DEFAULT_SHARED_PREFIX_LEN = 2048
 # Counters summed over every stage of every group: bytes that moved between the cache tiers.
-BYTE_COUNTERS = ("pipeserve_hicache_l3_read_bytes_total", "pipeserve_hicache_l3_written_bytes_total")
+BYTE_COUNTERS = ("pipeserve:hicache_l3_read_bytes_total", "pipeserve:hicache_l3_written_bytes_total")
 
 
 async def run_conversation(
@@ -64,19 +65,19 @@ async def run_conversations(
     if concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
     sem = asyncio.Semaphore(concurrency)
-    finished = 0
+    bar = tqdm(
+        total=len(conversations), desc="conversations", unit="conv", file=sys.stderr, disable=not progress
+    )
 
     async def one(conv: Conversation) -> list[RequestResult]:
-        nonlocal finished
         async with sem:
             res = await run_conversation(http, model, conv, timeout_s)
-        finished += 1
-        if progress:
-            print(f"# {finished}/{len(conversations)} conversations done", file=sys.stderr, flush=True)
+        bar.update(1)
         return res
 
     start = time.perf_counter()
-    results = list(await asyncio.gather(*(one(c) for c in conversations)))
+    with bar:
+        results = list(await asyncio.gather(*(one(c) for c in conversations)))
     return results, time.perf_counter() - start
 
 
@@ -156,7 +157,18 @@ def bytes_per_token(before: dict | None, after: dict | None, prompt_tokens: int)
 # --- the run and its report -------------------------------------------------------------------------
 
 
-async def serve(args, conversations: list[Conversation]) -> tuple[str, dict]:
+async def serve(args, conversations: list[Conversation], progress: bool | None = None) -> tuple[str, dict]:
+    """Run the conversations; (model, summary). `progress` None: a bar when stderr is a terminal."""
+    model, summary, _ = await serve_results(args, conversations, progress)
+    return model, summary
+
+
+async def serve_results(
+    args, conversations: list[Conversation], progress: bool | None = None
+) -> tuple[str, dict, list[RequestResult]]:
+    """`serve`, with every turn's result too (what --plot draws)."""
+    if progress is None:
+        progress = sys.stderr.isatty()
     url, key = args.url, args.api_key
     async with client.make_client(url, args.concurrency, args.timeout_s, key) as http:
         model = args.model or await client.fetch_model(http)
@@ -173,12 +185,12 @@ async def serve(args, conversations: list[Conversation]) -> tuple[str, dict]:
                 raise ConnectionError(f"every warmup request failed, e.g. {res[0].error}")
         before = await asyncio.to_thread(scrape_pipeserve, url, key)
         per_conv, duration = await run_conversations(
-            http, model, conversations, args.concurrency, args.timeout_s, progress=sys.stderr.isatty()
+            http, model, conversations, args.concurrency, args.timeout_s, progress=progress
         )
         after = await asyncio.to_thread(scrape_pipeserve, url, key)
     summary = summarize(per_conv, conversations, duration)
     summary["hicache_bytes_per_prompt_token"] = bytes_per_token(before, after, summary["total_input_tokens"])
-    return model, summary
+    return model, summary, [r for conv in per_conv for r in conv]
 
 
 def _pct(v: float | None) -> str:
@@ -202,7 +214,7 @@ def turn_table_md(s: dict) -> list[str]:
         f"| all | {s['completed']} | | {f(st['p50'])} | {f(st['p99'])} | {_pct(s['cached_share'])} |"
     )
     if bpt := s.get("hicache_bytes_per_prompt_token"):
-        moved = ", ".join(f"{k.removeprefix('pipeserve_hicache_')}: {v:,.0f}" for k, v in bpt.items())
+        moved = ", ".join(f"{k.removeprefix('pipeserve:hicache_')}: {v:,.0f}" for k, v in bpt.items())
         lines += ["", f"HiCache bytes per prompt token (all stages): {moved}"]
     return lines
 

@@ -12,7 +12,9 @@ reports what `metrics.py` defines: request/token throughput and TTFT / ITL / TPO
 mean, p50, p90, p99. The multi-turn workload (conversations over one shared system prompt, turns
 sent in order) is run and reported by `multiturn.py`. The router-overhead mode is described in
 `overhead.py`. Results go to stdout, and optionally to a JSON file and a markdown section
-appended to a results file.
+appended to a results file; `--plot FILE.png` draws TTFT/ITL CDFs and throughput over time
+(`plot.py`). A progress bar of completed requests goes to stderr when it is a terminal (not with
+`--quiet`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pipeserve.bench.metrics import RequestResult
     from pipeserve.bench.workloads import BenchRequest, Conversation
 
 _SECRET_ARGS = ("api_key",)
@@ -71,13 +74,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="measure router latency over stage 0's gRPC instead (needs --grpc)",
     )
     b.add_argument("--grpc", default=None, metavar="HOST:PORT", help="stage 0's Generation service")
+    b.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw TTFT/ITL CDFs and output throughput over time (e.g. next to --json; needs matplotlib)",
+    )
+    b.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none when stderr is no TTY)"
+    )
     b.set_defaults(func=run_bench)
 
 
 def _public_args(args: argparse.Namespace) -> dict:
     out = {}
     for k, v in vars(args).items():
-        if k in ("func", "command"):
+        if k in ("func", "command", "progress"):  # progress: derived from --quiet and the TTY
             continue
         if k in _SECRET_ARGS and v:
             v = "***"  # results files get committed; a key must not be
@@ -145,7 +157,9 @@ def build_conversations(args: argparse.Namespace) -> list[Conversation]:
     )
 
 
-async def _serve(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[str, dict]:
+async def _serve(
+    args: argparse.Namespace, requests: list[BenchRequest]
+) -> tuple[str, dict, list[RequestResult]]:
     from pipeserve.bench import client, metrics, workloads
 
     arrivals = workloads.arrival_offsets(len(requests), args.request_rate, args.seed)
@@ -161,9 +175,9 @@ async def _serve(args: argparse.Namespace, requests: list[BenchRequest]) -> tupl
             if not any(r.success for r in res):
                 raise ConnectionError(f"every warmup request failed, e.g. {res[0].error}")
         results, duration = await client.run_requests(
-            http, model, requests, arrivals, args.concurrency, args.timeout_s, progress=sys.stderr.isatty()
+            http, model, requests, arrivals, args.concurrency, args.timeout_s, progress=args.progress
         )
-    return model, metrics.summarize(results, duration)
+    return model, metrics.summarize(results, duration), results
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -188,6 +202,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("--num-requests must be >= 1")
     if args.router_overhead and not args.grpc:
         raise ValueError("--router-overhead needs --grpc HOST:PORT (stage 0's Generation service)")
+    if args.plot and args.router_overhead:
+        raise ValueError("--plot draws the serving workloads' latencies; not with --router-overhead")
+    if args.plot:
+        from pipeserve.bench import plot
+
+        plot.require()  # before the run: a missing matplotlib is said at once
+    args.progress = sys.stderr.isatty() and not args.quiet
+    results: list[RequestResult] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary: dict | None = None
     over: dict | None = None
@@ -199,10 +221,11 @@ def run_bench(args: argparse.Namespace) -> int:
             )
             print(overhead.format_overhead(over))
         elif args.workload == "multi-turn":
-            model, summary = asyncio.run(multiturn.serve(args, build_conversations(args)))
+            conversations = build_conversations(args)
+            model, summary, results = asyncio.run(multiturn.serve_results(args, conversations, args.progress))
         else:
             requests = build_workload(args)
-            model, summary = asyncio.run(_serve(args, requests))
+            model, summary, results = asyncio.run(_serve(args, requests))
     except (httpx.HTTPError, ConnectionError) as e:
         print(f"pipeserve bench: cannot benchmark {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -228,6 +251,9 @@ def run_bench(args: argparse.Namespace) -> int:
             "router_overhead": over,
         }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.plot:
+        title = f"{args.label or mode}: {model}, concurrency {args.concurrency}"
+        print(f"# plot written to {plot.write_plot(results, args.plot, title)}", file=sys.stderr)
     if args.results_md:
         title = f"Serving benchmark: {args.label or mode}"
         meta = {"date": started, "commit": _git_commit(), "url": args.url, "model": model, "mode": mode}

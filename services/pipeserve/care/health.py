@@ -77,8 +77,8 @@ class _StageCollector(Collector):
         labels = ["rank"]
         rank = [str(s.rank)]
         for name, help_, value in (
-            ("pipeserve_stage_ready", "1 when the ring is formed and the stage serves", float(s.ready)),
-            ("pipeserve_stage_wedged", "1 once the wedge detector fired", float(s.wedged)),
+            ("pipeserve:stage_ready", "1 when the ring is formed and the stage serves", float(s.ready)),
+            ("pipeserve:stage_wedged", "1 once the wedge detector fired", float(s.wedged)),
         ):
             g = GaugeMetricFamily(name, help_, labels=labels)
             g.add_metric(rank, value)
@@ -130,7 +130,12 @@ class SidePort:
 
     def __init__(self, status: StageStatus, host: str, port: int) -> None:
         config = uvicorn.Config(
-            build_health_app(status), host=host, port=port, log_level="warning", access_log=False
+            build_health_app(status),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            log_config=None,  # its lines go through the process's handler (obs/logs.py: text|json)
         )
         self.server = uvicorn.Server(config)
         self.address = f"{host}:{port}"

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeserve.config import EngineConfig, config_argv
+from pipeserve.obs.logs import GROUP_ENV
 from pipeserve.ring.group import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,14 @@ class LocalGroup:
         ranks: range | None = None,
         extra_argv: Callable[[int], list[str]] | None = None,
         log_name: Callable[[int], str] = "stage-{}.log".format,
+        group: str | None = None,
     ) -> None:
-        """Start the stage processes of `ranks` (default 1..S-1: stage 0 is the caller)."""
+        """Start the stage processes of `ranks` (default 1..S-1: stage 0 is the caller). They inherit
+        this process's environment (PIPESERVE_LOG_FORMAT / _LEVEL included); `group` names the group
+        in their log lines."""
         env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+        if group is not None:
+            env[GROUP_ENV] = group
         ranks = range(1, self.config.stages) if ranks is None else ranks
         for rank in ranks:
             argv = [

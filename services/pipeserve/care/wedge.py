@@ -19,24 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 
 from pipeserve.errors import ExitCode
+from pipeserve.obs.stacks import thread_stacks
 
 log = logging.getLogger(__name__)
-
-
-def thread_stacks() -> str:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        stack = "".join(traceback.format_stack(frame))
-        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n{stack}")
-    return "\n".join(parts)
 
 
 class WedgeDetector:
@@ -53,6 +43,8 @@ class WedgeDetector:
         self.timeout_s = timeout_s
         self.grace_s = grace_s
         self._exit = exit_fn
+        # Called once on the detector's thread right after the report (the flight recorder's dump).
+        self.on_wedge: Callable[[], object] = lambda: None
         self._last_progress = time.monotonic()
         self.report: str | None = None  # set once, when the wedge is declared
         self.wedged_at: float | None = None
@@ -96,4 +88,5 @@ class WedgeDetector:
         self.wedged_at = now
         self.report = f"{self.name}: no progress for {stalled:.1f}s with work pending: {what}"
         log.error("WEDGE: %s\n%s", self.report, thread_stacks())
+        self.on_wedge()
         return True

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from typing import Protocol
 
 from pipeserve.config import EngineConfig
 from pipeserve.engine.block_manager import BlockManager
@@ -29,6 +30,14 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.sampling_params import SamplingParams, check_prompt
 
 log = logging.getLogger(__name__)
+
+
+class PlanObserver(Protocol):
+    """Told of each plan sent into the ring and of its result coming back (on the engine's thread)."""
+
+    def submitted(self, plan: StepPlan) -> None: ...
+
+    def completed(self, plan: StepPlan) -> None: ...
 
 
 class LLMEngine:
@@ -69,6 +78,7 @@ class LLMEngine:
         self._inflight: deque[StepPlan] = deque()
         # The latest report of every stage (rank order), from the last result.
         self.stage_reports: list[StageReport] = []
+        self.observer: PlanObserver | None = None  # tracing (stage/request_trace.py); None: no cost
 
     # --- requests -----------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -112,12 +122,16 @@ class LLMEngine:
                         break
                     self.executor.submit(plan)
                     self._inflight.append(plan)
+                    if self.observer is not None:
+                        self.observer.submitted(plan)
             if not self._inflight:
                 self.scheduler.wait_for_tiers()
                 return []
             output = self.executor.collect()
             with self.runner.meter.measure():
                 plan = self._inflight.popleft()
+                if self.observer is not None:
+                    self.observer.completed(plan)
                 diverged = [(r.rank, r.digest) for r in output.reports if r.digest != plan.digest]
                 if diverged:
                     self.executor.stop_group(

@@ -8,11 +8,16 @@ request or the scheduler could not make progress.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pipeserve.config import EngineConfig
 from pipeserve.errors import ConfigError
 from pipeserve.model.config import ModelConfig
+from pipeserve.obs.progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 def block_bytes(cfg: ModelConfig, num_layers: int, block_size: int) -> int:
@@ -73,5 +78,14 @@ def num_host_slots(config: EngineConfig, cfg: ModelConfig, num_layers: int) -> i
 def allocate_pool(
     cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, device: torch.device
 ) -> torch.Tensor:
+    """The zeroed pool. Zeroed one (layer, K/V) slab at a time, the same work as torch.zeros (which
+    fills too: no lazily zeroed pages), so progress can be shown for a pool of many GiB."""
     shape = (num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return torch.zeros(shape, dtype=cfg.dtype, device=device)
+    pool = torch.empty(shape, dtype=cfg.dtype, device=device)
+    slab = pool.nbytes // max(1, num_layers * 2)
+    with Progress(f"zeroing the KV pool ({num_blocks} blocks)", pool.nbytes, log) as progress:
+        for layer in pool:
+            for kv in layer:
+                kv.zero_()
+                progress.update(slab)
+    return pool

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import msgspec
 import xxhash
+from msgspec import UNSET, UnsetType
 
 
 class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -88,6 +89,10 @@ class StepPlan(msgspec.Struct, frozen=True):
     # Nothing to compute, but L3 loads await acks: the plan carries the stages' answers back.
     poll: bool = False
     digest: int = 0
+    # Tracing (ring/plan_trace.py): req id -> W3C traceparent of stage 0's span, for each request of
+    # `new_requests` that is sampled; followers parent their plan spans to it. UNSET (never encoded)
+    # when none is: plans without tracing keep their bytes and digests.
+    traces: dict[str, str] | UnsetType = UNSET
 
     @property
     def num_tokens(self) -> int:

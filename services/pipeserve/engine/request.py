@@ -68,6 +68,7 @@ class Request:
     # and not freed since). Preemption and finish clear it via plan.freed.
     in_executors: bool = False
     error: str | None = None  # why the request failed (finish_reason ERROR)
+    traceparent: str | None = None  # W3C context of a sampled request's span: sent in its NewRequest
 
     @property
     def all_token_ids(self) -> list[int]:

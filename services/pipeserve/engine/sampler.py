@@ -32,6 +32,7 @@ import torch
 import xxhash
 
 from pipeserve.engine.plan import RequestFailure, SampledToken, SamplingSpec
+from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.sampling_params import SAMPLING_EPS
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._fallbacks = RateLimitedLog(log, interval_s=60.0)  # a poison request fails each batch it is in
 
     def __call__(
         self,
@@ -99,8 +101,10 @@ class Sampler:
         logits = _finite(logits)
         try:
             return self._sample(logits, req_ids, specs, sample_indices), []
-        except Exception:  # isolate the row(s) that raise, below
-            log.warning("batched sampling failed; sampling %d rows one by one", len(req_ids), exc_info=True)
+        except Exception:  # noqa: BLE001 - isolate the row(s) that raise, below (logged with exc_info)
+            self._fallbacks.warning(
+                "batched", "batched sampling failed; sampling %d rows one by one", len(req_ids), exc_info=True
+            )
         tokens: list[SampledToken] = []
         failures: list[RequestFailure] = []
         for i, rid in enumerate(req_ids):

@@ -27,6 +27,7 @@ import time
 from collections import deque
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
 from pipeserve.engine.plan import (
@@ -157,6 +158,7 @@ class Scheduler:
             l2_loads=l2_loads,
             l3_stores=self._stores,
             l3_loads=l3_loads,
+            traces=self._traces(new_reqs),
         )
         now = time.monotonic()
         if plan.is_empty() and self.fetch.pending and not self._polls and now - self._last_poll >= POLL_S:
@@ -227,6 +229,11 @@ class Scheduler:
             req.in_executors = True
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n
+
+    def _traces(self, new_reqs: list[NewRequest]) -> dict[str, str] | UnsetType:
+        """Trace context of the sampled requests entering the executors (UNSET: none, bytes unchanged)."""
+        traces = {n.req_id: tp for n in new_reqs if (tp := self.requests[n.req_id].traceparent)}
+        return traces or UNSET
 
     def wait_for_tiers(self) -> None:
         """Nothing to send and nothing in flight: wait briefly for a probe answer or a poll's turn."""

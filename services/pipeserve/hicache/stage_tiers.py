@@ -35,6 +35,7 @@ from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.redis_tier import LoadResult, RedisTier, TierUnavailable
 from pipeserve.hicache.writer import PageWriter
 from pipeserve.histogram import Histogram
+from pipeserve.obs.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class StageTiers:
         self.writer = writer
         self.stats = StageTierStats()
         self._failing = False  # the last load this stage answered failed (logged on each change)
+        self._load_errors = RateLimitedLog(log, interval_s=60.0)  # one line a minute while Redis is down
         self.host: torch.Tensor | None = None
         if host_slots:
             layers, two, bs, kvh, d = layout.shape
@@ -194,7 +196,9 @@ class StageTiers:
                 )
             except TierUnavailable as e:
                 f.error = "unavailable"
-                log.debug("stage %d: L3 load %d: %s", self.layout.stage, f.order.load_id, e)
+                self._load_errors.debug(
+                    "unavailable", "stage %d: L3 load %d: %s", self.layout.stage, f.order.load_id, e
+                )
             except Exception:  # a bug in decoding: the load fails, the stage goes on
                 log.exception("stage %d: L3 load %d failed", self.layout.stage, f.order.load_id)
                 f.error = "error"

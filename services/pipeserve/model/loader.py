@@ -10,6 +10,7 @@ naming the missing tensor.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,9 @@ from safetensors import safe_open
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.stage_model import StageModel, StageSpec
+from pipeserve.obs.progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 def balanced_layer_split(num_layers: int, world_size: int) -> list[tuple[int, int]]:
@@ -102,8 +106,17 @@ def stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _stored_bytes(fpath: Path) -> dict[str, int]:
+    """tensor name -> its bytes in a safetensors file (from the header's data offsets; no data read)."""
+    with open(fpath, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
-    """Read exactly the checkpoint tensors `stage` needs, in cfg.dtype."""
+    """Read exactly the checkpoint tensors `stage` needs, in cfg.dtype; progress in bytes read is
+    shown as a bar on a terminal, else logged every few seconds (obs/progress.py)."""
     path = Path(model_dir)
     files = _weight_files(path)
     wanted = stage_tensor_names(cfg, stage)
@@ -113,14 +126,19 @@ def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in wanted:
         by_file[files[name]].append(name)
-    out: dict[str, torch.Tensor] = {}
-    for fpath, names in by_file.items():
+    for fpath in by_file:
         if not fpath.is_file():
             raise ModelLoadError(f"weight shard {fpath} is missing (named in the index)")
-        with safe_open(str(fpath), framework="pt") as f:
-            for name in names:
-                # A copy: a tensor left on the file's mmap keeps its pages resident.
-                out[name] = f.get_tensor(name).to(cfg.dtype, copy=True)
+    sizes = {fpath: _stored_bytes(fpath) for fpath in by_file}
+    total = sum(sizes[fpath].get(name, 0) for fpath, names in by_file.items() for name in names)
+    out: dict[str, torch.Tensor] = {}
+    with Progress(f"stage {stage.rank}: loading weights", total, log) as progress:
+        for fpath, names in by_file.items():
+            with safe_open(str(fpath), framework="pt") as f:
+                for name in names:
+                    # A copy: a tensor left on the file's mmap keeps its pages resident.
+                    out[name] = f.get_tensor(name).to(cfg.dtype, copy=True)
+                    progress.update(sizes[fpath].get(name, 0))
     return out
 
 

@@ -25,8 +25,11 @@ from collections.abc import Callable
 from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import StepOutput
 from pipeserve.errors import ExitCode, GroupStopped
+from pipeserve.obs import tracing
 from pipeserve.ring.leader import warm_activation
 from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
+from pipeserve.ring.plan_trace import PlanTraces
+from pipeserve.ring.replay import activation_digest, recorder_for
 from pipeserve.ring.transport import RingLink
 from pipeserve.ring.worker import Stage
 
@@ -48,6 +51,9 @@ class Follower:
         self.ready = False
         self.on_frame: Callable[[], None] = lambda: None  # forward progress (the wedge detector's beat)
         self.on_ready: Callable[[], None] = lambda: None  # the ring is formed and warm
+        # Spans for sampled requests' plans (ring/plan_trace.py): only when this process traces.
+        self.traces = PlanTraces(self.rank) if tracing.enabled() else None
+        self.flight = recorder_for(stage)  # the plans this stage executed (obs/flight.py)
 
     def pending_work(self) -> str | None:
         """What this stage owes, for the wedge detector; None when idle."""
@@ -98,17 +104,22 @@ class Follower:
         if plan.step_id <= self.last_step:
             raise PlanMismatch(f"stage {self.rank}: step {plan.step_id} arrived after step {self.last_step}")
         self.last_step = plan.step_id
+        flight = self.flight.record(plan.step_id, self.link.last_payload)  # before a mismatch can raise
         if plan.chunks and acts is None:
             raise PlanMismatch(f"stage {self.rank}: step {plan.step_id} has tokens but no activations")
+        traced = self.traces.before(plan) if self.traces is not None else None
         hidden, sampled, report = self.runner.run(plan, acts)
+        if traced is not None and self.traces is not None:
+            self.traces.after(plan, traced)
         if self.faults.corrupts(self.rank, plan):
             report = self.faults.corrupt_report(report)
         reports = [*fwd.reports, report]
         if self.is_last:
-            self.link.send(Result(StepOutput(plan.step_id, sampled, reports)))
+            self.flight.complete(flight, self.link.send(Result(StepOutput(plan.step_id, sampled, reports))))
             return
+        produced = activation_digest(hidden) if self.flight.enabled else None
         sent, hidden = self.faults.outgoing(self.rank, plan, hidden, self.runner.num_blocks)
-        self.link.send(Forward(sent, reports), hidden)
+        self.flight.complete(flight, self.link.send(Forward(sent, reports), hidden), produced)
 
     def _stop(self, stop: Stop) -> int:
         try:  # the last stage passes it back to stage 0, which waits for it on shutdown
@@ -120,6 +131,7 @@ class Follower:
             )
         if stop.error:
             log.error("stage %d: GROUP STOP from stage %d: %s", self.rank, stop.origin, stop.reason)
+            self.flight.dump(f"group stop from stage {stop.origin}: {stop.reason}")
             return ExitCode.GROUP_STOP
         log.info("stage %d: shutdown", self.rank)
         return 0
@@ -131,4 +143,5 @@ class Follower:
             self.link.flush()
         except GroupStopped:
             pass  # the next stage is gone or stuck; its own deadline stops it
+        self.flight.dump(f"group stop: {reason}")
         return ExitCode.GROUP_STOP

@@ -28,6 +28,7 @@ import torch
 from pipeserve.engine.plan import StepOutput, StepPlan
 from pipeserve.errors import GroupStopped
 from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
+from pipeserve.ring.replay import activation_digest, recorder_for
 from pipeserve.ring.transport import RingLink
 from pipeserve.ring.worker import Stage
 
@@ -59,6 +60,7 @@ class PipelineExecutor:
         self._heartbeats = 0
         self._closing = threading.Event()
         self._keepalive: threading.Thread | None = None
+        self.flight = recorder_for(stage)  # plans as sent and their results (obs/flight.py)
 
     # --- start-up -------------------------------------------------------------
     def form_ring(self) -> None:
@@ -91,7 +93,9 @@ class PipelineExecutor:
         sent, acts = self.faults.outgoing(0, plan, hidden, self.runner.num_blocks)
         if self.faults.return_first:
             self._early.append(self._receive_result())  # the broken rule: wait before sending
-        self._guard(lambda: self.link.send(Forward(sent, [report]), acts))
+        payload = self._guard(lambda: self.link.send(Forward(sent, [report]), acts))
+        if self.flight.enabled:
+            self.flight.record(plan.step_id, payload, plan.digest, activation_digest(hidden))
         self._inflight.append(plan.step_id)
         self._last_activity = time.monotonic()
 
@@ -110,6 +114,7 @@ class PipelineExecutor:
         want = self._inflight.popleft() if self._inflight else None
         if frame.output.step_id != want:
             self._fail(f"stage 0: result of step {frame.output.step_id} arrived, expected step {want}")
+        self.flight.complete(self.flight.find(frame.output.step_id), self.link.last_payload)
         return frame.output
 
     # --- idle ring ------------------------------------------------------------
@@ -162,6 +167,7 @@ class PipelineExecutor:
                 self.link.send(Stop(0, reason, True))
             except GroupStopped:
                 pass  # stage 1 is already gone
+            self.flight.dump(f"group stop: {reason}")
         raise GroupStopped(self.failed, logged=True)
 
     def close(self) -> None:

@@ -97,7 +97,9 @@ class RingLink:
         # CUDA stages sharing one GPU, which NCCL cannot pair).
         self.via_host = data_pg is meta_pg and device.type != "cpu"
         self._pending: deque[_PendingSend] = deque()
-        self._inbox: queue.Queue[tuple[Frame, torch.Tensor | None] | _LinkFailure] = queue.Queue()
+        self._inbox: queue.Queue[tuple[Frame, torch.Tensor | None, bytes] | _LinkFailure] = queue.Queue()
+        # The msgpack payload of the frame recv() returned last (the flight recorder keeps it).
+        self.last_payload = b""
         self._receiver: threading.Thread | None = None
         self._closed = False
 
@@ -121,14 +123,15 @@ class RingLink:
             if isinstance(item[0], Stop):
                 return  # the link is done: nothing follows a Stop
 
-    def _receive_frame(self) -> tuple[Frame, torch.Tensor | None]:
+    def _receive_frame(self) -> tuple[Frame, torch.Tensor | None, bytes]:
         header = torch.empty(4, dtype=torch.int64)
         self._wait(self.meta_pg.recv([header], self.prev, TAG), f"no frame from stage {self.prev}")
         nbytes, rows, cols, _ = header.tolist()
         payload = torch.empty(nbytes, dtype=torch.uint8)
         self._wait(self.meta_pg.recv([payload], self.prev, TAG), f"frame body from stage {self.prev}")
+        data = payload.numpy().tobytes()
         try:
-            frame = decode_frame(payload.numpy().tobytes())
+            frame = decode_frame(data)
         except ValueError as e:  # msgspec.DecodeError / ValidationError
             raise GroupStopped(f"stage {self.rank}: undecodable frame from stage {self.prev}: {e}") from e
         acts = None
@@ -139,12 +142,18 @@ class RingLink:
             if on.type == "cuda":
                 torch.cuda.current_stream(on).synchronize()
             acts = raw.view(self.act_dtype).to(self.device)
-        return frame, acts
+        return frame, acts, data
 
     def recv(self) -> tuple[Frame, torch.Tensor | None]:
         """The next frame from the predecessor, within the deadline, or GroupStopped."""
         if self.blocking_io:
-            return self._receive_frame()
+            item = self._receive_frame()
+        else:
+            item = self._next_item()
+        frame, acts, self.last_payload = item
+        return frame, acts
+
+    def _next_item(self) -> tuple[Frame, torch.Tensor | None, bytes]:
         try:
             item = self._inbox.get(timeout=self.timeout_s + 1.0)
         except queue.Empty:
@@ -173,8 +182,8 @@ class RingLink:
         return None
 
     # --- sending --------------------------------------------------------------
-    def send(self, frame: Frame, acts: torch.Tensor | None = None) -> None:
-        """Post a frame to the successor without waiting for it (rule 2)."""
+    def send(self, frame: Frame, acts: torch.Tensor | None = None) -> bytes:
+        """Post a frame to the successor without waiting for it (rule 2); returns its msgpack payload."""
         payload = encode_frame(frame)
         rows, cols = 0, 0
         keep: list[torch.Tensor] = []
@@ -195,6 +204,7 @@ class RingLink:
         self._pending.append(_PendingSend(works, keep, what))
         limit = 0 if self.blocking_io else self.max_pending
         self._reap(limit)
+        return payload
 
     def _reap(self, limit: int) -> None:
         while self._pending and (

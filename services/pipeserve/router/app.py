@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
-from pipeserve.router import errors
+from pipeserve.router import errors, trace
 from pipeserve.router import openapi as openapi_doc
 from pipeserve.router.edge import ClientGone
 from pipeserve.router.errors import APIError
@@ -70,6 +70,7 @@ def build_app(config: RouterConfig, replicas: ReplicaSet, registry: CollectorReg
     )
     app.state.router = router
     app.add_middleware(RequestMetrics, metrics=router.metrics)
+    trace.instrument(app)  # a server span per request when this process traces (router/trace.py)
     _install_error_handlers(app)
 
     @app.post("/v1/completions", openapi_extra=openapi_doc.COMPLETIONS)

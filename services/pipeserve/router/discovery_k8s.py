@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeserve.config import DiscoveryConfig
+from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.router.discovery import Apply, valid_target
 
 log = logging.getLogger("pipeserve.router")
@@ -80,6 +81,8 @@ class Kubernetes:
         self._stop = threading.Event()
         self._watch: Any = None  # the kubernetes.watch.Watch in progress, to stop it from the loop
         self._failing = False
+        # A watch expires (410) every few minutes by design: a periodic line, rolled up hourly.
+        self._relists = RateLimitedLog(log, interval_s=3600.0)
 
     async def run(self, apply: Apply) -> None:
         loop = asyncio.get_running_loop()
@@ -221,7 +224,9 @@ class Kubernetes:
     def _failed(self, why: str, gone: bool = False) -> None:
         if gone:
             c = self.config
-            log.info("pipeline %s/%s: watch expired (410), listing again", c.namespace, c.pipeline)
+            self._relists.info(
+                "410", "pipeline %s/%s: watch expired (410), listing again", c.namespace, c.pipeline
+            )
             return
         if not self._failing:
             log.warning(

@@ -49,6 +49,7 @@ from pipeserve.router.protocol import parse_chat, parse_completion
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.router.responses import SSE_DONE, Formatter, sse
 from pipeserve.router.serving import Choice, Generation
+from pipeserve.router.trace import RequestAttributes
 from pipeserve.router.upstream import Upstream
 from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
 from pipeserve.tokenizer import TokenizerAssets
@@ -189,7 +190,7 @@ class Router:
             Choice(self.upstream, self.tok, i, ids, p, f"{fmt.id}-{i}", arrival)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        gen = Generation(choices)
+        gen = Generation(choices, RequestAttributes(self.config.model_name, params))
         if not stream:
             try:
                 results = await until_disconnect(request, self._run(gen))
@@ -235,6 +236,7 @@ class Router:
         except Exception:  # a router bug: end the stream in the error shape, loudly in the log
             log.exception("stream %s failed", fmt.id)
             yield errors.error_event(errors.internal("internal error while streaming"))
+        gen.record_trace()
         yield SSE_DONE
 
     def end_streams(self) -> None:
@@ -305,6 +307,9 @@ class Router:
             why = await self.upstream.probe(g.name, self.tok.encode(PROBE_TEXT) or [0])
             self.metrics.probes.labels("ok" if why is None else "failed").inc()
             if why is not None:
-                log.warning("health probe of group %s failed: %s", g.name, why)
+                # Monitors call this every few seconds: one line per group per interval, not per call.
+                self.upstream.rlog.warning(
+                    ("probe", g.name), "health probe of group %s failed: %s", g.name, why
+                )
                 raise errors.unavailable(f"probe of group {g.name} failed: {why}")
             return JSONResponse({"status": "ok", "group": g.name, "probe": True})

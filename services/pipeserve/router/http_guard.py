@@ -36,6 +36,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pipeserve.config import RouterConfig
+from pipeserve.obs.ratelimit import RateLimitedLog
 
 log = logging.getLogger("pipeserve.router")
 
@@ -49,6 +50,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     header_timeout_s = 10.0
     max_header_bytes = 65536
+    refusals: RateLimitedLog | None = None  # one per server (guarded_protocol): a flood logs O(1) lines
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,7 +126,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.write(head.encode() + body)
         self.transport.close()
         peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
-        log.warning("%d to %s: %s (connection closed)", status, peer, message)
+        if self.refusals is None:
+            log.warning("%d to %s: %s (connection closed)", status, peer, message)
+        else:
+            self.refusals.warning(status, "%d to %s: %s (connection closed)", status, peer, message)
 
 
 def guarded_protocol(config: RouterConfig) -> type[GuardedHttpProtocol]:
@@ -132,7 +137,11 @@ def guarded_protocol(config: RouterConfig) -> type[GuardedHttpProtocol]:
     return type(
         "GuardedHttpProtocol",
         (GuardedHttpProtocol,),
-        {"header_timeout_s": config.header_timeout_s, "max_header_bytes": config.max_header_bytes},
+        {
+            "header_timeout_s": config.header_timeout_s,
+            "max_header_bytes": config.max_header_bytes,
+            "refusals": RateLimitedLog(log, interval_s=30.0),
+        },
     )
 
 
@@ -159,6 +168,7 @@ def server_config(app: Any, config: RouterConfig, **options: Any) -> uvicorn.Con
         "host": config.host,
         "port": config.port,
         "log_level": "warning",
+        "log_config": None,  # uvicorn's lines go through the process's handler (obs/logs.py: text|json)
         "lifespan": "on",
         "http": guarded_protocol(config),
         "timeout_keep_alive": 5,

@@ -3,7 +3,8 @@
 Nothing here touches prometheus_client's global default registry: the
 supervisor renders one registry (router + its own group-restart metrics) at
 /metrics, and tests build as many routers as they like, each on its own
-registry. Every name starts with `pipeserve_router_`.
+registry. Every name starts with `pipeserve:router_` (docs/metrics.md lists them); the latency
+histograms share their buckets with stage 0's (obs/buckets.py), so both views compare bucket by bucket.
 
 `RequestMetrics` is an ASGI middleware counting responses by endpoint and
 status. The endpoint label is the route's path template, or "other" for a
@@ -16,10 +17,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-P = "pipeserve_router_"
+from pipeserve.obs.buckets import REQUEST_S, TOKEN_S
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1, 2.5, 5)
+P = "pipeserve:router_"
+
+_LATENCY = REQUEST_S
+_ITL = TOKEN_S
 
 
 class GroupMetrics:
@@ -35,7 +38,7 @@ class GroupMetrics:
         self.running = gauge("group_running", "Requests running on the group (last Load)")
         self.waiting = gauge("group_waiting", "Requests waiting on the group (last Load)")
         self.kv_used = gauge("group_kv_blocks_used", "KV blocks in use on the group (last Load)")
-        self.kv_total = gauge("group_kv_blocks_total", "KV blocks of the group (last Load)")
+        self.kv_total = gauge("group_kv_pool_blocks", "KV blocks of the group (last Load)")
         self.inflight = gauge("group_inflight", "Requests the router has in flight to the group")
 
 

@@ -28,6 +28,7 @@ from pipeserve.detokenize import TextStream
 from pipeserve.router import errors
 from pipeserve.router.errors import APIError
 from pipeserve.router.responses import ChoiceResult, TokenLP
+from pipeserve.router.trace import RequestAttributes
 from pipeserve.router.upstream import GenerateStream, Upstream, UpstreamFailure
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc.convert import sampling_to_proto
@@ -67,10 +68,13 @@ class Choice:
         self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids), prompt_token_ids=list(prompt_ids))
         self._stream: GenerateStream | None = None
         self._first: pb.GenerateResponse | None = None
+        self.group: str | None = None  # where it runs, once open (traces)
+        self.retries = 0
         self._last_at: float | None = None
 
     async def open(self) -> None:
         self._stream, self._first = await self.upstream.open(self.prompt_ids, self.sampling, self.request_id)
+        self.group, self.retries = self._stream.group, self._stream.retries
         m = self.upstream.metrics
         m.ttft.observe(time.monotonic() - self.arrival)
         m.prompt_tokens.inc(len(self.prompt_ids))
@@ -140,8 +144,9 @@ _DONE = object()
 
 
 class Generation:
-    def __init__(self, choices: list[Choice]) -> None:
+    def __init__(self, choices: list[Choice], attributes: RequestAttributes | None = None) -> None:
         self.choices = choices
+        self.attributes = attributes  # the request span's usage attributes, set once on close()
         self._tasks: list[asyncio.Task] = []
 
     async def open(self) -> None:
@@ -197,3 +202,12 @@ class Generation:
             t.cancel()
         for c in self.choices:
             c.close()
+        self.record_trace()
+
+    def record_trace(self) -> None:
+        """Usage, finish reasons and groups onto the request's span (once; a no-op untraced). A stream
+        calls it before its last event: its cleanup may run after the HTTP span has ended."""
+        if self.attributes is not None:
+            cs = self.choices
+            groups = [c.group for c in cs if c.group is not None]
+            self.attributes.ended([c.result for c in cs], groups, sum(c.retries for c in cs))

@@ -139,4 +139,10 @@ def run_router(args: argparse.Namespace) -> int:
         raise ConfigError(f"drain_timeout_s: must be >= 0 (got {args.drain_timeout_s})")
     config = config_from_args(RouterConfig, args, skip=_FIXED, model=args.model)
     discovery = make_discovery(discovery_config(args))
-    return asyncio.run(serve_router(config, discovery, args.drain_timeout_s))
+    from pipeserve.obs.tracing import setup_tracing
+
+    traces = setup_tracing("pipeserve-router")
+    try:
+        return asyncio.run(serve_router(config, discovery, args.drain_timeout_s))
+    finally:
+        traces.shutdown(deadline_s=3.0)

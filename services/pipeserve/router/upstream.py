@@ -37,14 +37,17 @@ from collections.abc import Sequence
 import grpc
 
 from pipeserve.config import RouterConfig
+from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.router import errors
 from pipeserve.router.errors import APIError
 from pipeserve.router.metrics import RouterMetrics
 from pipeserve.router.replicas import ReplicaSet
+from pipeserve.router.trace import GenerateSpan
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc.metadata import ADMITTED_KEY
 
 log = logging.getLogger("pipeserve.router")
+LOG_INTERVAL_S = 30.0  # repeated failure lines of one kind: at most one per this many seconds
 
 Code = grpc.StatusCode
 RETRYABLE = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED, Code.CANCELLED})
@@ -85,14 +88,18 @@ class GenerateStream:
         self.group = group
         self.request = request
         self.finished = False  # the last message (finish_reason set) has been read
+        self.retries = 0  # failed attempts on other groups before this one (Upstream.open sets it)
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._acquired = False
+        self._span: GenerateSpan | None = None
 
     async def open(self) -> pb.GenerateResponse:
         replicas = self.upstream.replicas
+        target = replicas.groups[self.group].target
         replicas.acquire(self.group)
         self._acquired = True
-        self._call = replicas.stub(self.group).Generate(self.request)
+        self._span = span = GenerateSpan(self.group, target, self.request.request_id)  # a no-op untraced
+        self._call = replicas.stub(self.group).Generate(self.request, metadata=span.metadata or None)
         return await self._read(self.upstream.config.first_token_timeout_s, "first")
 
     async def next(self) -> pb.GenerateResponse | None:
@@ -108,16 +115,19 @@ class GenerateStream:
         try:
             msg = await asyncio.wait_for(call.read(), timeout)
         except TimeoutError:
+            self._end_span(Code.DEADLINE_EXCEEDED, f"no {which} message within {timeout}s")
             self.close()
             self.upstream.abort_later(self.group, self.request.request_id)
             raise UpstreamFailure(
                 self.group, Code.DEADLINE_EXCEEDED, f"no {which} message within {timeout}s"
             ) from None
         except grpc.aio.AioRpcError as e:
+            self._end_span(e.code(), e.details() or "")
             self.close()
             admitted = ADMITTED_KEY in dict(e.initial_metadata() or ())
             raise UpstreamFailure(self.group, e.code(), e.details() or "", admitted) from None
         if msg is grpc.aio.EOF:
+            self._end_span(Code.UNAVAILABLE, "stream ended without a finish_reason")
             self.close()
             admitted = ADMITTED_KEY in dict(await call.initial_metadata() or ())
             raise UpstreamFailure(
@@ -126,6 +136,7 @@ class GenerateStream:
         if msg.finish_reason:
             # The call ends by itself with the last message: release it, do not cancel it.
             self.finished = True
+            self._end_span(Code.OK if msg.finish_reason != "abort" else Code.UNAVAILABLE, msg.finish_reason)
             self._release()
             if msg.finish_reason == "abort":  # not ours: we cancel, we never Abort a live stream
                 raise UpstreamFailure(self.group, Code.UNAVAILABLE, "the group aborted the request")
@@ -135,7 +146,12 @@ class GenerateStream:
         """Cancel the call if it is still running (stage 0 aborts the request); idempotent."""
         if self._call is not None and not self.finished and not self._call.done():
             self._call.cancel()
+        self._end_span(Code.CANCELLED, "cancelled by the router")  # no-op if it ended already
         self._release()
+
+    def _end_span(self, code: grpc.StatusCode, details: str) -> None:
+        if self._span is not None:
+            self._span.end(code, details)
 
     def _release(self) -> None:
         if self._acquired:
@@ -149,6 +165,9 @@ class Upstream:
         self.config = config
         self.metrics = metrics
         self._background: set[asyncio.Task] = set()
+        # Per-request failure lines: a dying group fails every request at once; one line per
+        # (cause, group, code) per interval, the rest counted in the next one.
+        self.rlog = RateLimitedLog(log, interval_s=LOG_INTERVAL_S)
 
     async def open(
         self, prompt_ids: Sequence[int], sampling: pb.SamplingParams, request_id: str
@@ -172,13 +191,18 @@ class Upstream:
                 tried.append(group.name)
                 if attempt == 0 and self.replicas.ready_groups(exclude=tried):
                     self.metrics.retries.inc()
-                    log.warning(
-                        "request %s: %s before its first token; retrying on another group", request_id, f
+                    self.rlog.warning(
+                        ("retry", f.group, f.code),
+                        "request %s: %s before its first token; retrying on another group",
+                        request_id,
+                        f,
+                        extra={"request_id": request_id},
                     )
             except BaseException:  # cancelled (client gone) while waiting for the first message
                 stream.close()
                 raise
             else:
+                stream.retries = attempt
                 return stream, first
         if last is None:
             raise errors.unavailable("no pipeline group is ready")
@@ -194,7 +218,13 @@ class Upstream:
             # Connection refused or the group said it is not serving: stop picking it until a poll says ready.
             self.replicas.mark_unready(f.group, f"Generate failed: {f.details}")
         if f.code != Code.INVALID_ARGUMENT:
-            log.warning("request %s: upstream error: %s", request_id, f)
+            self.rlog.warning(
+                ("upstream", f.group, f.code),
+                "request %s: upstream error: %s",
+                request_id,
+                f,
+                extra={"request_id": request_id},
+            )
 
     async def probe(self, group: str, prompt_ids: Sequence[int]) -> str | None:
         """Send a 1-token greedy request to `group`; None if it produced a token, else why not."""
@@ -227,7 +257,14 @@ class Upstream:
                 pb.AbortRequest(request_id=request_id), timeout=self.config.rpc_timeout_s
             )
         except grpc.aio.AioRpcError as e:
-            log.warning("Abort of %s on group %s failed: %s", request_id, group, e.code().name)
+            self.rlog.warning(
+                ("abort", group, e.code()),
+                "Abort of %s on group %s failed: %s",
+                request_id,
+                group,
+                e.code().name,
+                extra={"request_id": request_id},
+            )
         except KeyError:  # the replica set was closed meanwhile
             pass
 

@@ -3,8 +3,8 @@
 Every stage: its L2 pool (slots, saves, loads), its L3 loads by answer
 (ok / late / missing / checksum / layout / format / unavailable), pages and
 bytes moved, the fetch latency histogram, the store queue (depth, drops,
-failures) and whether Redis answers. Stage 0 adds the group's view: prompt
-tokens served per tier, probes, and how the group's loads ended.
+failures) and whether Redis answers. Stage 0 adds the group's view: its L2
+index, probes, and how the group's loads ended. Names: `pipeserve:hicache_*` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -20,44 +20,44 @@ def stage_tier_metrics(tiers: StageTiers | None) -> dict[str, Metric]:
     s = tiers.stats
     buckets, total = s.l3_load_seconds.snapshot()
     out = {
-        "pipeserve_hicache_l2_slots": Metric(
+        "pipeserve:hicache_l2_slots": Metric(
             "gauge", "L2 (host memory) slots of this stage", tiers.host_slots
         ),
-        "pipeserve_hicache_l2_saves": Metric(
+        "pipeserve:hicache_l2_saves": Metric(
             "counter", "blocks copied L1 -> L2 (evicted from L1)", s.l2_saves
         ),
-        "pipeserve_hicache_l2_loads": Metric("counter", "blocks copied L2 -> L1 (prefix hits)", s.l2_loads),
+        "pipeserve:hicache_l2_loads": Metric("counter", "blocks copied L2 -> L1 (prefix hits)", s.l2_loads),
     }
     if tiers.tier is None:
         return out
     out |= {
-        "pipeserve_hicache_l3_loads": Metric(
+        "pipeserve:hicache_l3_loads": Metric(
             "counter",
             "L3 load orders this stage answered, by answer",
             label="status",
             values=dict(s.l3_loads),
         ),
-        "pipeserve_hicache_l3_blocks_loaded": Metric(
+        "pipeserve:hicache_l3_blocks_loaded": Metric(
             "counter", "pages loaded from L3 into L1", s.l3_blocks_loaded
         ),
-        "pipeserve_hicache_l3_read_bytes": Metric("counter", "page bytes read from L3", s.l3_bytes_read),
-        "pipeserve_hicache_l3_load_seconds": Metric(
+        "pipeserve:hicache_l3_read_bytes": Metric("counter", "page bytes read from L3", s.l3_bytes_read),
+        "pipeserve:hicache_l3_load_seconds": Metric(
             "histogram", "time to fetch and check one load's pages", total, buckets=buckets
         ),
     }
     if (w := tiers.writer) is not None:
         ws = w.stats
         out |= {
-            "pipeserve_hicache_l3_stores": Metric("counter", "pages written to L3", ws.written),
-            "pipeserve_hicache_l3_written_bytes": Metric("counter", "bytes written to L3", ws.bytes_written),
-            "pipeserve_hicache_l3_store_queue": Metric("gauge", "pages waiting to be written", w.queue_depth),
-            "pipeserve_hicache_l3_store_dropped": Metric(
+            "pipeserve:hicache_l3_stores": Metric("counter", "pages written to L3", ws.written),
+            "pipeserve:hicache_l3_written_bytes": Metric("counter", "bytes written to L3", ws.bytes_written),
+            "pipeserve:hicache_l3_store_queue": Metric("gauge", "pages waiting to be written", w.queue_depth),
+            "pipeserve:hicache_l3_store_dropped": Metric(
                 "counter", "pages not written: the store queue was full", ws.dropped_full
             ),
-            "pipeserve_hicache_l3_store_failed": Metric(
+            "pipeserve:hicache_l3_store_failed": Metric(
                 "counter", "pages not written: Redis refused or timed out", ws.failed
             ),
-            "pipeserve_hicache_l3_up": Metric(
+            "pipeserve:hicache_l3_up": Metric(
                 "gauge", "1 while this stage's last Redis write succeeded", w.available
             ),
         }
@@ -68,46 +68,39 @@ def leader_tier_metrics(engine: LLMEngine) -> dict[str, Metric]:
     sched = engine.scheduler
     st = sched.fetch.stats
     bm = engine.block_manager
-    out = {
-        "pipeserve_prefix_queried_tokens": Metric(
-            "counter", "prompt tokens looked up in the prefix cache", bm.stats.queried_tokens
-        ),
-        "pipeserve_prefix_hit_tokens": Metric(
-            "counter", "prompt tokens served from a cache tier", label="tier", values=dict(st.hit_tokens)
-        ),
-    }
+    out: dict[str, Metric] = {}  # the prefix-cache queries and hits by tier: stage/engine_metrics.py
     if bm.host is not None:
         hs = bm.host.stats
         out |= {
-            "pipeserve_hicache_l2_used_slots": Metric("gauge", "L2 slots holding a block", bm.host.used),
-            "pipeserve_hicache_l2_hit_blocks": Metric("counter", "prefix blocks found in L2", hs.hits),
-            "pipeserve_hicache_l2_evictions": Metric("counter", "L2 entries dropped for room", hs.evictions),
+            "pipeserve:hicache_l2_used_slots": Metric("gauge", "L2 slots holding a block", bm.host.used),
+            "pipeserve:hicache_l2_hit_blocks": Metric("counter", "prefix blocks found in L2", hs.hits),
+            "pipeserve:hicache_l2_evictions": Metric("counter", "L2 entries dropped for room", hs.evictions),
         }
     if sched.fetch.l3 is not None:
         buckets, total = st.load_seconds.snapshot()
         out |= {
-            "pipeserve_hicache_l3_probes": Metric("counter", "presence queries to L3", st.probes),
-            "pipeserve_hicache_l3_probe_hit_blocks": Metric(
+            "pipeserve:hicache_l3_probes": Metric("counter", "presence queries to L3", st.probes),
+            "pipeserve:hicache_l3_probe_hit_blocks": Metric(
                 "counter", "blocks L3 held for every stage when asked", st.probe_hit_blocks
             ),
-            "pipeserve_hicache_l3_group_loads": Metric(
+            "pipeserve:hicache_l3_group_loads": Metric(
                 "counter",
                 "L3 loads by outcome: ok (every stage in time) or the first failing stage's answer",
                 label="outcome",
                 values=dict(st.loads),
             ),
-            "pipeserve_hicache_l3_group_load_seconds": Metric(
+            "pipeserve:hicache_l3_group_load_seconds": Metric(
                 "histogram", "load ordered -> every stage answered", total, buckets=buckets
             ),
-            "pipeserve_hicache_l3_pages_ordered": Metric(
+            "pipeserve:hicache_l3_pages_ordered": Metric(
                 "counter", "blocks ordered written to L3", st.stores
             ),
-            "pipeserve_hicache_l3_directory_up": Metric(
+            "pipeserve:hicache_l3_directory_up": Metric(
                 "gauge",
                 "1 while stage 0's presence queries reach Redis",
                 getattr(sched.fetch.l3, "available", 1),
             ),
-            "pipeserve_hicache_l3_directory_errors": Metric(
+            "pipeserve:hicache_l3_directory_errors": Metric(
                 "counter", "presence queries Redis failed to answer", getattr(sched.fetch.l3, "errors", 0)
             ),
         }

@@ -39,7 +39,10 @@ from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.lifecycle import Phase
+from pipeserve.obs import tracing
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.stage.request_metrics import RequestTimer, RequestTimes
+from pipeserve.stage.request_trace import RequestTrace, StageTraces
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,8 @@ class _Active:
     req: Request
     sink: Sink
     sent: int = 0
+    traced: bool = False  # sampled for tracing: StageTraces follows it (checked per delta, no lookup)
+    times: RequestTimes = field(default_factory=RequestTimes)  # stage 0's request timing
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class _Submit:
     prompt: list[int]
     params: SamplingParams
     sink: Sink
+    trace: RequestTrace | None = None
 
 
 @dataclass(frozen=True)
@@ -133,12 +139,24 @@ class EngineLoop:
         self._finished: dict[str, int] = {}
         self._last_token_at: float | None = None
         self._thread: threading.Thread | None = None
+        self.timer = RequestTimer()  # request-timing histograms (stage/request_metrics.py)
         self.on_progress = lambda: None  # the wedge detector's beat
+        # Tracing (stage/request_trace.py): only when this process exports traces; else no cost at all.
+        self.traces: StageTraces | None = StageTraces() if tracing.enabled() else None
+        engine.observer = self.traces
         self.done = threading.Event()  # set when the loop has ended (drained or stopped)
 
     # --- called from request handlers (any thread) -----------------------------
-    def submit(self, req_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Queue a request; raises InvalidRequestError, Overloaded or NotServing at once."""
+    def submit(
+        self,
+        req_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        trace: RequestTrace | None = None,
+    ) -> None:
+        """Queue a request (`trace`: its spans when sampled); raises InvalidRequestError, Overloaded or
+        NotServing at once."""
         self.engine.validate(prompt, params)  # reads only the model's limits
         with self._lock:
             if self.phase is not Phase.READY:
@@ -149,7 +167,7 @@ class EngineLoop:
                 raise DuplicateRequest(f"request id {req_id!r} is already running")
             self._live.add(req_id)
             self._queued += 1
-            self._commands.put(_Submit(req_id, list(prompt), params, sink))
+            self._commands.put(_Submit(req_id, list(prompt), params, sink, trace))
         self._wake.set()
 
     def abort(self, req_id: str) -> bool:
@@ -209,6 +227,7 @@ class EngineLoop:
                 if self.phase is Phase.DRAINING and not self._active:
                     break
                 if self.engine.has_unfinished():
+                    self.timer.step_started()
                     self.engine.step()
                     self.on_progress()
                     self._publish()
@@ -250,16 +269,22 @@ class EngineLoop:
             except InvalidRequestError as e:  # validated at submit; a race with nothing else
                 self._final(cmd.req_id, cmd.sink, Delta([], None, error=str(e), error_kind=ErrorKind.INVALID))
                 continue
-            self._active[cmd.req_id] = _Active(req, cmd.sink)
+            self._active[cmd.req_id] = active = _Active(req, cmd.sink)
+            if cmd.trace is not None and self.traces is not None:
+                self.traces.admitted(req, cmd.trace)
+                active.traced = True
         self._update_stats()
 
     def _publish(self) -> None:
         for req_id, active in list(self._active.items()):
+            self.timer.seen(active.times, active.req)
             if len(active.req.output_token_ids) > active.sent or active.req.is_finished:
                 try:
                     self._send(req_id, active)
                 except Exception as e:  # one request's failure, not the group's
-                    log.exception("request %s: publishing its tokens failed", req_id)
+                    log.exception(
+                        "request %s: publishing its tokens failed", req_id, extra={"request_id": req_id}
+                    )
                     self.engine.abort(req_id)  # its blocks go back on every stage with the next plan
                     self._active.pop(req_id, None)
                     why = f"request failed on stage 0: {type(e).__name__}: {e}"
@@ -270,6 +295,8 @@ class EngineLoop:
         """The request's last delta: its id may be submitted again from now on."""
         with self._lock:
             self._live.discard(req_id)
+        if self.traces is not None:
+            self.traces.finished(req_id, delta.finish_reason, delta.error)
         sink.push(delta)
 
     def _send(self, req_id: str, active: _Active) -> None:
@@ -281,7 +308,10 @@ class EngineLoop:
             self._last_token_at = time.monotonic()
         finish = req.finish_reason.value if req.is_finished and req.finish_reason else None
         first = active.sent == 0
+        self.timer.delta(active.times, req, len(new), finish is not None)
         active.sent += len(new)
+        if active.traced and new and self.traces is not None:
+            self.traces.published(req_id, active.sent)
         if finish is not None:
             del self._active[req_id]
             self._finished[finish] = self._finished.get(finish, 0) + 1

@@ -24,27 +24,35 @@ import threading
 import time
 from typing import NoReturn
 
-from pipeserve.care.health import Metric, SidePort, StageStatus
+from pipeserve.care.health import SidePort, StageStatus
 from pipeserve.care.launcher import PARENT_ENV
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import ExitCode, GroupStopped, ModelLoadError
 from pipeserve.lifecycle import Phase
+from pipeserve.obs.flight import DumpOnSignal
+from pipeserve.obs.logs import set_identity
+from pipeserve.obs.tracing import setup_tracing
 from pipeserve.ring.follower import Follower
 from pipeserve.ring.group import Rendezvous
 from pipeserve.ring.worker import build_stage
 from pipeserve.stage.cache_metrics import stage_tier_metrics
+from pipeserve.stage.engine_metrics import busy_metrics
 from pipeserve.stage.server import serve_leader
 
 log = logging.getLogger("pipeserve.stage")
+TRACE_FLUSH_S = 3.0  # spans still queued at exit get this long to be exported
 
 
 def run_stage(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> NoReturn:
     """Run rank `rdzv.rank` of the group until it ends; exit the process with its status."""
+    set_identity(stage=rdzv.rank)  # every log line of this process names its stage (and group)
     if parent := os.environ.get(PARENT_ENV):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
         _watch_parent(int(parent), rdzv.rank)
     threading.excepthook = _thread_died
+    # Before anything is built: the follower and stage 0's server ask whether this process traces.
+    traces = setup_tracing("pipeserve-stage", {"pipeserve.stage": rdzv.rank})
     try:
         code = _serve(config, serve, rdzv)
     except GroupStopped as e:
@@ -57,6 +65,7 @@ def run_stage(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -
     except Exception:  # a bug: a defined status and the traceback, never the interpreter's teardown
         log.exception("stage %d: unexpected error", rdzv.rank)
         code = ExitCode.INTERNAL_ERROR
+    traces.shutdown(TRACE_FLUSH_S)  # os._exit runs no atexit hook: export what is queued now
     _exit_now(code)
 
 
@@ -73,12 +82,11 @@ def _serve(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> i
         f"stage {rdzv.rank}", follower.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s
     )
     status.detector = detector
-    meter = stage.runner.meter
-    status.sources.append(
-        lambda: {"pipeserve_stage_busy_seconds": Metric("counter", "seconds spent computing", meter.busy_s)}
-    )
+    status.sources.append(lambda: busy_metrics(stage.runner.meter))
     status.sources.append(lambda: stage_tier_metrics(stage.tiers))
     follower.on_frame = detector.beat
+    detector.on_wedge = lambda: follower.flight.dump(f"wedge: {detector.report}")
+    DumpOnSignal(follower.flight).install()  # SIGUSR1: write the flight record
     follower.on_ready = lambda: setattr(status, "phase", Phase.READY)
     detector.start()
     code = follower.run()

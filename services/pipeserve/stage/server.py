@@ -40,13 +40,16 @@ import time
 
 import grpc
 
-from pipeserve.care.health import Metric, StageStatus
+from pipeserve.care.health import StageStatus
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.lifecycle import Phase
+from pipeserve.obs import tracing
+from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.ring.group import Rendezvous
+from pipeserve.ring.leader import PipelineExecutor
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.rpc.convert import sampling_from_proto
@@ -60,7 +63,9 @@ from pipeserve.stage.engine_loop import (
     NotServing,
     Overloaded,
 )
+from pipeserve.stage.engine_metrics import busy_metrics, engine_metrics
 from pipeserve.stage.factory import build_engine
+from pipeserve.stage.request_trace import RequestTrace, generate_interceptor
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +120,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         sink = _QueueSink(asyncio.get_running_loop())
         try:
             params = sampling_from_proto(request.sampling)
-            self.loop.submit(rid, list(request.prompt_token_ids), params, sink)
+            self.loop.submit(rid, list(request.prompt_token_ids), params, sink, RequestTrace.start(rid))
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}")
         except DuplicateRequest as e:
@@ -166,29 +171,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
-def engine_metrics(loop: EngineLoop) -> dict[str, Metric]:
-    s = loop.stats
-    meter = loop.engine.runner.meter
-    # Blocks each stage reported holding after the last step (stage 0's view of the group).
-    held = {str(r.rank): float(r.blocks_held) for r in loop.engine.stage_reports}
-    return {
-        "pipeserve_requests_running": Metric("gauge", "requests being computed", s.running),
-        "pipeserve_requests_waiting": Metric("gauge", "requests queued for admission", s.waiting),
-        "pipeserve_kv_blocks_used": Metric("gauge", "KV blocks held by requests", s.kv_blocks_used),
-        "pipeserve_kv_blocks_total": Metric("gauge", "KV blocks in the pool", s.kv_blocks_total),
-        "pipeserve_group_stage_blocks_held": Metric(
-            "gauge", "KV blocks each stage held after the last step", label="stage", values=held
-        ),
-        "pipeserve_generation_tokens": Metric("counter", "tokens generated", s.tokens_generated),
-        "pipeserve_requests_finished": Metric(
-            "counter", "requests finished, by reason", label="reason", values=dict(s.requests_finished)
-        ),
-        "pipeserve_stage_busy_seconds": Metric("counter", "seconds this stage spent computing", meter.busy_s),
-    }
-
-
 async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus, model_name: str) -> int:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Tracing on: the official interceptor makes Generate's server span from the router's traceparent.
+    interceptors = [generate_interceptor()] if tracing.enabled() else []
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     pb_grpc.add_GenerationServicer_to_server(GenerationService(loop, model_name, status), server)
     port = server.add_insecure_port(f"{serve.host}:{serve.grpc_port}")
     await server.start()
@@ -229,10 +215,14 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
         loop.phase is Phase.READY
     )  # a group stop is not-ready at once, here and in Health
     status.sources.append(lambda: engine_metrics(loop))
+    status.sources.append(lambda: busy_metrics(engine.runner.meter))
     status.sources.append(lambda: leader_tier_metrics(engine))
     tiers = engine.runner.tiers
     status.sources.append(lambda: stage_tier_metrics(tiers if isinstance(tiers, StageTiers) else None))
     loop.on_progress = detector.beat
+    if isinstance(ring := engine.executor, PipelineExecutor):  # one stage: no ring, nothing recorded
+        detector.on_wedge = lambda: ring.flight.dump(f"wedge: {detector.report}")
+        DumpOnSignal(ring.flight).install()
     loop.start()
     detector.start()
     code = asyncio.run(_serve(loop, serve, status, serve.served_model_name or config.model))

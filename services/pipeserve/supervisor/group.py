@@ -79,7 +79,9 @@ class GroupSlot:
             )
             return config_argv(serve, skip=set())
 
-        group.start(range(self.config.stages), argv, log_name=f"{self.name}-stage-{{}}.log".format)
+        group.start(
+            range(self.config.stages), argv, log_name=f"{self.name}-stage-{{}}.log".format, group=self.name
+        )
         self.group = group
         self.generation = self.record.generation  # stamped on this incarnation's processes
         self.started_at = time.monotonic()

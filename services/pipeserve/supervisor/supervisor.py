@@ -8,10 +8,10 @@ hands the observation to the one decision function the operator uses too (care/r
 - a group not ready within connect_timeout_s + ready_margin_s of its start (the startup deadline)
 ⇒ RESTART: the whole group is stopped and, after the backoff (backoff_s doubling up to backoff_max_s;
 a group ready for `stable_s` is forgiven its past failures), started again as a new generation.
-Restarts are counted in `pipeserve_group_restarts_total{group}`. A stage that cannot start (exit 2)
-before its group was ever ready ⇒ FAIL: `pipeserve up` gives up instead of looping. The router is told
-at once (`on_down`), so it stops routing to the group before its next health poll and keeps serving
-from the other groups. Blocking process calls run in a worker thread.
+Restarts are counted in `pipeserve:group_restarts_total{group,cause}` (`restart_cause`). A stage that
+cannot start (exit 2) before its group was ever ready ⇒ FAIL: `pipeserve up` gives up instead of
+looping. The router is told at once (`on_down`), so it stops routing to the group before its next
+health poll and keeps serving from the other groups. Blocking process calls run in a worker thread.
 
 In `pipeserve up` the supervisor runs on its own thread and event loop
 (`SupervisorThread`): a client that stalls the router's loop (a CPU-heavy
@@ -32,12 +32,50 @@ from collections.abc import Callable
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pipeserve.care.restarts import Action, GroupObservation, Phase, RestartPolicy, decide
+from pipeserve.care.restarts import (
+    Action,
+    GroupObservation,
+    Phase,
+    RestartPolicy,
+    StageState,
+    decide,
+)
 from pipeserve.config import SupervisorConfig
 from pipeserve.errors import ExitCode
 from pipeserve.supervisor.group import GroupSlot
 
 log = logging.getLogger(__name__)
+
+UNANSWERED = "/livez has not answered"  # how _probe words a stage too frozen to answer
+# `cause` of pipeserve:group_restarts_total: a stage's exit status by name (ExitCode), a signal, a
+# wedge its own detector reported (/livez 503), a stage that stopped answering, the startup deadline.
+RESTART_CAUSES = (
+    "group_stop",
+    "wedged",
+    "internal_error",
+    "cannot_start",
+    "killed",
+    "exited",
+    "unresponsive",
+    "startup_deadline",
+)
+
+
+def restart_cause(obs: GroupObservation, phase: Phase) -> str:
+    """The RESTART_CAUSES value of a restart `decide` ordered for `obs`: the lowest rank's failure, in
+    the order decide's own check reads it (an exit before a wedge); a group with no failing stage was
+    restarted for its startup deadline (not yet ready) or because a stage was gone ("exited")."""
+    for s in sorted(obs.stages, key=lambda s: s.rank):
+        if s.state is StageState.EXITED or s.restarts > 0:
+            code = s.exit_code
+            if code is not None and code < 0:
+                return "killed"  # Popen's -N: ended by signal N (the OOM killer, a kill -9)
+            if code in (ExitCode.GROUP_STOP, ExitCode.WEDGED, ExitCode.INTERNAL_ERROR, ExitCode.CANNOT_START):
+                return "wedged" if code == ExitCode.WEDGED else ExitCode(code).name.lower()
+            return "exited"
+        if s.wedged:
+            return "unresponsive" if s.wedged.startswith(UNANSWERED) else "wedged"
+    return "startup_deadline" if phase is not Phase.READY else "exited"
 
 
 class Supervisor:
@@ -52,13 +90,17 @@ class Supervisor:
         self.on_down = on_down
         self.config = config = config or SupervisorConfig()
         self.restarts = Counter(
-            "pipeserve_group_restarts", "whole-group restarts by the supervisor", ["group"], registry=registry
+            "pipeserve:group_restarts",
+            "whole-group restarts by the supervisor, by cause (docs/metrics.md)",
+            ["group", "cause"],
+            registry=registry,
         )
         self.group_ready = Gauge(
-            "pipeserve_group_ready", "1 when every stage of the group is ready", ["group"], registry=registry
+            "pipeserve:group_ready", "1 when every stage of the group is ready", ["group"], registry=registry
         )
         for slot in slots:
-            self.restarts.labels(slot.name)
+            for cause in RESTART_CAUSES:  # every series exists from 0, so increase() sees the first one
+                self.restarts.labels(slot.name, cause)
             self.group_ready.labels(slot.name).set(0)
         self.all_ready = threading.Event()  # every group was ready at least once
         self.fatal: str | None = None
@@ -115,7 +157,7 @@ class Supervisor:
                 slot.generation,
             )
         elif d.action in (Action.RESTART, Action.ROLL):  # ROLL: never here (local stages are never outdated)
-            await self._stop_failed(slot, d.reason, d.delay_s)
+            await self._stop_failed(slot, d.reason, d.delay_s, restart_cause(obs, phase))
         elif d.action is Action.FAIL:
             self.on_down(slot.name, d.reason)
             await asyncio.to_thread(slot.kill, self.config.kill_grace_s)
@@ -143,7 +185,7 @@ class Supervisor:
                     continue  # the side port opens a moment after the process starts
                 slot.probe_failures[rank] = slot.probe_failures.get(rank, 0) + 1
                 if slot.probe_failures[rank] * (c.interval_s + c.probe_timeout_s) > limit:
-                    return {rank: f"/livez has not answered for {limit:.0f}s"}
+                    return {rank: f"{UNANSWERED} for {limit:.0f}s"}
                 continue
             slot.probe_failures[rank] = 0
             if r.status_code == 503:
@@ -162,11 +204,11 @@ class Supervisor:
                 return ready
         return ready
 
-    async def _stop_failed(self, slot: GroupSlot, cause: str, delay_s: float) -> None:
+    async def _stop_failed(self, slot: GroupSlot, cause: str, delay_s: float, kind: str) -> None:
         self.on_down(slot.name, cause)
         self.group_ready.labels(slot.name).set(0)
         codes = await asyncio.to_thread(slot.kill, self.config.kill_grace_s)
-        self.restarts.labels(slot.name).inc()
+        self.restarts.labels(slot.name, kind).inc()
         log.error(
             "GROUP RESTART: %s: %s; stopped stages %s; restarting in %.1fs (restart %d)",
             slot.name,

@@ -226,4 +226,11 @@ async def _serve_groups(
 
 
 def run_up(args: argparse.Namespace) -> int:
-    return asyncio.run(serve_up(build_configs(args)))
+    from pipeserve.obs.tracing import setup_tracing  # the stages inherit OTEL_* and PIPESERVE_TRACE_FILE
+
+    configs = build_configs(args)
+    traces = setup_tracing("pipeserve-router")
+    try:
+        return asyncio.run(serve_up(configs))
+    finally:
+        traces.shutdown(deadline_s=3.0)
