@@ -657,6 +657,13 @@ MUTANTS = [
         'log.warning("L3 unavailable for stage %d: %s (page %s)", self.layout.stage, e, page)',
         "tests/obs/test_logs.py -k serving",
     ),
+    (
+        "a follower's divergence exits like any group stop (no diverged cause)",
+        "services/pipeserve/ring/follower.py",
+        "            return ExitCode.DIVERGED",
+        "            return ExitCode.GROUP_STOP",
+        "tests/ring/test_pipeline_faults.py -k corrupted",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

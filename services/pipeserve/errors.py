@@ -39,6 +39,12 @@ class GroupStopped(RuntimeError):
         self.logged = logged
 
 
+class Diverged(GroupStopped):
+    """The group stopped because its stages did not execute the same plan (a digest or a result that
+    differs, a plan a follower could not apply): the congruence law broken, counted apart from other
+    stops (ExitCode.DIVERGED, `cause="diverged"` of the restart counter)."""
+
+
 class ExitCode(enum.IntEnum):
     """Every exit status a pipeserve process uses; the supervisor and the operator read them."""
 
@@ -47,3 +53,4 @@ class ExitCode(enum.IntEnum):
     CANNOT_START = 2  # configuration or checkpoint error: restarting will not help
     GROUP_STOP = 3  # the pipeline group stopped (a peer died, hung or diverged): restart the whole group
     WEDGED = 4  # the stage's wedge detector fired (work pending, no progress)
+    DIVERGED = 5  # this stage saw the group's stages execute different plans: restart the whole group

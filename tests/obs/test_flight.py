@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from conftest import random_prompts
 from pipeserve import LLM, SamplingParams
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.errors import GroupStopped
@@ -41,11 +42,6 @@ from pipeserve.ring.replay import replay
 
 SETUP = StageSetup("0:2,2:4", 16, 48, 256, "float32", 0, 1, 0, False)
 SRC = Path(__file__).resolve().parents[2] / "services" / "pipeserve"
-
-
-def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)  # tests/obs/conftest.py shadows the top conftest's helper of this name
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def group(model_dir: Path, tmp_path: Path, **kw) -> LLM:

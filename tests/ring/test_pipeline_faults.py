@@ -27,7 +27,7 @@ from pipeline_support import (
     wait_dead,
 )
 from pipeserve import LLM, SamplingParams
-from pipeserve.errors import ExitCode, GroupStopped
+from pipeserve.errors import Diverged, ExitCode, GroupStopped
 from pipeserve.ring.faults import ENV, Faults
 
 RING_TIMEOUT = 3.0
@@ -79,7 +79,11 @@ def test_corrupted_plan_stops_the_whole_group(
         assert re.search(pattern, str(err.value)), str(err.value)
         assert not wait_dead(pids, 15), "a stage outlived the group stop"
         assert time.monotonic() - t0 < 15
-        assert set(llm.group.exited().values()) == {ExitCode.GROUP_STOP}
+        # Stage 0 raises Diverged for what it found itself; a follower's find reaches it as a Stop.
+        assert isinstance(err.value, Diverged) == (detector == 0), repr(err.value)
+        # The stage that found it exits DIVERGED (the restart's cause), the others followed its stop.
+        want = {r: ExitCode.DIVERGED if r == detector else ExitCode.GROUP_STOP for r in llm.group.pids}
+        assert llm.group.exited() == want
         if detector > 0:  # stage 0's line is the error checked above
             lines = group_stop_lines(stage_log(tmp_path, detector))
             assert len(lines) == 1 and re.search(pattern, lines[0]), lines

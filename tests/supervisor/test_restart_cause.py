@@ -28,6 +28,9 @@ def _exited(rank: int, code: int | None) -> StageObservation:
         ((RUNNING, _exited(1, None)), Phase.READY, "exited"),
         # The lowest rank decides, as in decide(): stage 0 stopped the group after stage 1 was killed.
         ((_exited(1, -9), _exited(0, ExitCode.GROUP_STOP)), Phase.READY, "group_stop"),
+        # A divergence names the cause at any rank: the lower ranks only followed the detector's stop.
+        ((_exited(0, ExitCode.GROUP_STOP), _exited(2, ExitCode.DIVERGED)), Phase.READY, "diverged"),
+        ((RUNNING, _exited(1, ExitCode.DIVERGED)), Phase.READY, "diverged"),
         ((StageObservation(rank=0, generation=1, wedged="stage 0: no progress"),), Phase.READY, "wedged"),
         (
             (StageObservation(rank=1, generation=1, wedged=f"{UNANSWERED} for 9s"),),

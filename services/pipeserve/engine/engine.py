@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from pipeserve.config import EngineConfig
 from pipeserve.engine.block_manager import BlockManager
@@ -25,7 +25,7 @@ from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.prefix_loads import L3Directory
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import ResultMismatch, Scheduler
-from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.errors import Diverged, GroupStopped, InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.sampling_params import SamplingParams, check_prompt
 
@@ -134,7 +134,7 @@ class LLMEngine:
                     self.observer.completed(plan)
                 diverged = [(r.rank, r.digest) for r in output.reports if r.digest != plan.digest]
                 if diverged:
-                    self.executor.stop_group(
+                    self._diverged(
                         f"step {plan.step_id}: stages executed a different plan: "
                         f"digest {plan.digest:#x}, stages reported {diverged}"
                     )
@@ -142,8 +142,15 @@ class LLMEngine:
                 try:
                     return self.scheduler.update(plan, output)
                 except ResultMismatch as e:
-                    self.executor.stop_group(str(e))
-                    raise  # unreachable: stop_group raises GroupStopped
+                    self._diverged(str(e))
+
+    def _diverged(self, reason: str) -> NoReturn:
+        """The stages disagree on a plan or its result: stop the group, as a divergence."""
+        try:
+            self.executor.stop_group(reason)
+        except GroupStopped as e:
+            raise Diverged(str(e), logged=e.logged) from e
+        raise Diverged(reason)  # an executor's stop_group always raises; this keeps NoReturn honest
 
     def stop_group(self, reason: str) -> None:
         """Stop every stage of the group (stage 0 cannot go on); never raises."""

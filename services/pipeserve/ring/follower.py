@@ -93,7 +93,8 @@ class Follower:
         except GroupStopped as e:
             return self._group_stop(str(e))
         except PlanMismatch as e:
-            return self._group_stop(f"stage {self.rank}: {e}")
+            self._group_stop(f"stage {self.rank}: {e}")
+            return ExitCode.DIVERGED
         except Exception as e:  # a bug, not a request's fault (those are in reports): stop the group, loudly
             log.exception("stage %d: unexpected error", self.rank)
             self._group_stop(f"stage {self.rank}: unexpected {type(e).__name__}: {e}")

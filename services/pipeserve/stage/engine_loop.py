@@ -37,7 +37,7 @@ from typing import Protocol
 
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
-from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.errors import Diverged, GroupStopped, InvalidRequestError
 from pipeserve.lifecycle import Phase
 from pipeserve.obs import tracing
 from pipeserve.sampling_params import SamplingParams
@@ -128,6 +128,7 @@ class EngineLoop:
         self.phase = Phase.JOINING  # the engine (and its ring) exists; the loop does not serve yet
         self.stop_reason: str | None = None
         self.failed = False  # the loop ended on an error (the group stopped), not a shutdown
+        self.diverged = False  # ... and that stop was a divergence (errors.Diverged)
         self.stats = LoopStats(kv_blocks_total=engine.num_total_blocks)
         self._commands: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._queued = 0  # submits not yet applied (admission counts them as waiting)
@@ -236,6 +237,7 @@ class EngineLoop:
                     self._wake.clear()
         except GroupStopped as e:
             self.failed = True
+            self.diverged = isinstance(e, Diverged)
             self.end(str(e))
         except Exception as e:  # a bug on stage 0: the group cannot go on; tell the followers at once
             log.exception("engine loop failed")

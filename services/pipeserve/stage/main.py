@@ -7,10 +7,11 @@ SIGABRT). Stage 0 serves requests (stage/server.py); a stage k > 0 runs the
 follower loop (ring/follower.py) under a wedge detector. Both answer on the
 side port from the first moment (care/health.py).
 
-Exit statuses: a group stop (GroupStopped) is GROUP_STOP; a configuration or
-checkpoint this stage cannot serve is CANNOT_START; anything else — also an
-exception escaping any thread of the stage — is INTERNAL_ERROR with its
-traceback. A locally launched stage (PIPESERVE_PARENT_PID set) ignores SIGINT
+Exit statuses: a group stop (GroupStopped) is GROUP_STOP, DIVERGED when the stages
+executed different plans (errors.Diverged: a digest or result that differs, a plan a
+follower cannot apply); a configuration or checkpoint this stage cannot serve is
+CANNOT_START; anything else — also an exception escaping any thread of the stage —
+is INTERNAL_ERROR with its traceback. A locally launched stage (PIPESERVE_PARENT_PID set) ignores SIGINT
 (its parent decides when the group stops) and exits when the parent is gone.
 """
 
@@ -28,7 +29,7 @@ from pipeserve.care.health import SidePort, StageStatus
 from pipeserve.care.launcher import PARENT_ENV
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
-from pipeserve.errors import ExitCode, GroupStopped, ModelLoadError
+from pipeserve.errors import Diverged, ExitCode, GroupStopped, ModelLoadError
 from pipeserve.lifecycle import Phase
 from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.obs.logs import set_identity
@@ -58,7 +59,7 @@ def run_stage(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -
     except GroupStopped as e:
         if not e.logged:
             log.error("GROUP STOP: %s", e)
-        code = ExitCode.GROUP_STOP
+        code = ExitCode.DIVERGED if isinstance(e, Diverged) else ExitCode.GROUP_STOP
     except (ValueError, ModelLoadError) as e:  # ConfigError, a checkpoint this stage cannot serve
         log.error("stage %d cannot start: %s", rdzv.rank, e)
         code = ExitCode.CANNOT_START

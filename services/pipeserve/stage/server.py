@@ -197,7 +197,7 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     await server.stop(grace=1.0)
     status.phase = Phase.STOPPED
     if loop.failed:
-        return ExitCode.GROUP_STOP
+        return ExitCode.DIVERGED if loop.diverged else ExitCode.GROUP_STOP
     if not loop.done.is_set():
         log.error("engine loop did not end within its deadline; leaving the ring to its deadlines")
         return ExitCode.GROUP_STOP

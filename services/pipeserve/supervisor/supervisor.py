@@ -50,6 +50,7 @@ UNANSWERED = "/livez has not answered"  # how _probe words a stage too frozen to
 # `cause` of pipeserve:group_restarts_total: a stage's exit status by name (ExitCode), a signal, a
 # wedge its own detector reported (/livez 503), a stage that stopped answering, the startup deadline.
 RESTART_CAUSES = (
+    "diverged",
     "group_stop",
     "wedged",
     "internal_error",
@@ -64,7 +65,10 @@ RESTART_CAUSES = (
 def restart_cause(obs: GroupObservation, phase: Phase) -> str:
     """The RESTART_CAUSES value of a restart `decide` ordered for `obs`: the lowest rank's failure, in
     the order decide's own check reads it (an exit before a wedge); a group with no failing stage was
-    restarted for its startup deadline (not yet ready) or because a stage was gone ("exited")."""
+    restarted for its startup deadline (not yet ready) or because a stage was gone ("exited"). A stage
+    that exited DIVERGED names the cause whatever its rank: the others only followed its stop."""
+    if any(s.exit_code == ExitCode.DIVERGED for s in obs.stages):
+        return "diverged"
     for s in sorted(obs.stages, key=lambda s: s.rank):
         if s.state is StageState.EXITED or s.restarts > 0:
             code = s.exit_code
