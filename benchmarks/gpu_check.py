@@ -1,13 +1,14 @@
 """Device checks for a machine with a GPU (not part of the CPU test suite).
 
-Run as one short script where a GPU is lent:
+Run as one short script where a GPU is lent (prepared; not yet run: no GPU was lent so far):
 
-    python benchmarks/gpu_check.py            # ~2 minutes
+    python benchmarks/gpu_check.py            # ~4 minutes on an H200, well under 10
 
 1. The demo checkpoint in float32 on `cuda`: greedy ids of pipeserve with
    S = 1 and S = 2 (two stage processes; on one GPU the activations go through
    host memory over gloo, since NCCL cannot pair two ranks on one device) equal
-   transformers' on the same GPU, with TF32 off.
+   transformers' on the same GPU, with TF32 off. The layer ops are the Triton
+   kernels (PIPESERVE_KERNELS=auto picks them for CUDA tensors; printed).
    With two or more GPUs, S = 2 puts a GPU under each stage and activations go
    over NCCL (the first send on each link is warmed by the ring's Hello).
 2. Offline tokens/s of each run, for the record.
@@ -15,6 +16,11 @@ Run as one short script where a GPU is lent:
    host pool (L2) and back, then a fresh group reading L3 from a private
    redis-server (skipped when redis-server is not installed) — the same ids,
    with L2 and L3 hits counted.
+4. Each Triton kernel against its PyTorch reference and, for attention, SDPA
+   on contiguous K/V, float32 and bfloat16, with achieved GB/s against the
+   device's measured copy bandwidth (benchmarks/gpu_kernels.py).
+5. Serving tok/s: `pipeserve up --device cuda` on the demo model driven by
+   `pipeserve bench` (random 128/64, C=16).
 Exit status 0 only if every comparison holds.
 """
 
@@ -36,9 +42,11 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     from transformers import AutoModelForCausalLM
 
+    import pipeserve_kernels
     from pipeserve import LLM, SamplingParams
     from pipeserve.model.demo import DemoSpec, write_demo_model
 
+    print(f"kernel backend: {pipeserve_kernels.BACKEND} (Triton for CUDA tensors under auto)", flush=True)
     model = write_demo_model(tempfile.mkdtemp() + "/demo", DemoSpec())
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(4, 200))] for _ in range(24)]
@@ -73,7 +81,57 @@ def main() -> int:
             flush=True,
         )
     ok &= hicache_check(model, prompts + prompts, want + want, params)
+    from gpu_kernels import kernel_checks
+
+    ok &= kernel_checks()
+    ok &= serving_check(model)
     return 0 if ok else 1
+
+
+def serving_check(model: str) -> bool:
+    """`pipeserve up --device cuda` + `pipeserve bench`; prints the bench summary. True if it ran."""
+    import os
+    import subprocess
+
+    bin_dir = os.path.dirname(sys.executable)
+    logs = tempfile.mkdtemp()
+    up = subprocess.Popen(
+        [
+            f"{bin_dir}/pipeserve",
+            "up",
+            "--model",
+            model,
+            "--port",
+            "18123",
+            "--device",
+            "cuda",
+            "--log-dir",
+            logs,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "pipeserve: serving" not in line:
+            line = up.stdout.readline() if up.stdout else ""
+            if not line and (up.poll() is not None or time.monotonic() > deadline):
+                print(f"serving: pipeserve up did not come up (logs in {logs})")
+                return False
+        bench = subprocess.run(
+            [f"{bin_dir}/pipeserve", "bench", "--url", "http://127.0.0.1:18123", "--tokenizer", model,
+             "--workload", "random", "--num-requests", "128", "--concurrency", "16", "--input-len", "128",
+             "--output-len", "64", "--label", "gpu_check serving, demo model, S=1, cuda"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        print(
+            "serving (pipeserve bench, random 128/64, C=16, S=1, cuda):\n" + bench.stdout[-2000:], flush=True
+        )
+        return bench.returncode == 0
+    finally:
+        up.terminate()
+        up.wait(timeout=60)
 
 
 def hicache_check(model: str, prompts: list, want: list, params) -> bool:

@@ -1,8 +1,11 @@
 """Kernel interface for the layer ops of a stage (package `pipeserve_kernels`).
 
-Every op has a PyTorch reference in `reference.py`; that is the CPU path and
-the oracle that faster (Triton) kernels are tested against. Model code calls
+Every op has a PyTorch reference in `reference.py`: the oracle that faster
+kernels are tested against, and the CPU path unless `cpu.py` has a faster
+PyTorch version (fewer ops, no KV gather for consecutive blocks). Model code calls
 only the names exported here, so a backend swap touches this file alone.
+Triton kernels (triton_ops.py, triton_attention.py) run for CUDA tensors;
+PIPESERVE_KERNELS forces a backend (dispatch.py).
 
 Shapes (T = tokens in the step, H / KVH = query / kv heads, D = head_dim,
 N = KV blocks, BS = block size):
@@ -11,20 +14,30 @@ N = KV blocks, BS = block size):
   block_tables          [B, max_blocks]   padded with 0 past a row's blocks
 """
 
-from pipeserve_kernels.reference import (
-    apply_rotary,
-    paged_attention_decode,
-    paged_attention_prefill,
-    rms_norm,
-    silu_and_mul,
-    store_kv,
-)
+from pipeserve_kernels import cpu, reference
+from pipeserve_kernels.dispatch import backend_from_env, cuda_triton_available, select
+
+# PIPESERVE_KERNELS=auto|torch|triton (dispatch.py); read once at import, an immutable choice.
+BACKEND = backend_from_env()
+_GPU = BACKEND == "auto" and cuda_triton_available()
+
+# The dispatch table: exported name -> its CPU function; the Triton kernel of the same name is found
+# by dispatch.TRITON_MODULES. A faster CPU implementation replaces the second argument only.
+rms_norm = select("rms_norm", cpu.rms_norm, BACKEND, _GPU)
+rms_norm_residual = select("rms_norm_residual", cpu.rms_norm_residual, BACKEND, _GPU)
+apply_rotary = select("apply_rotary", cpu.apply_rotary, BACKEND, _GPU)
+silu_and_mul = select("silu_and_mul", cpu.silu_and_mul, BACKEND, _GPU)
+store_kv = select("store_kv", reference.store_kv, BACKEND, _GPU)
+paged_attention_decode = select("paged_attention_decode", cpu.paged_attention_decode, BACKEND, _GPU)
+paged_attention_prefill = select("paged_attention_prefill", reference.paged_attention_prefill, BACKEND, _GPU)
 
 __all__ = [
+    "BACKEND",
     "apply_rotary",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
+    "rms_norm_residual",
     "silu_and_mul",
     "store_kv",
 ]

@@ -45,10 +45,11 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, KVH, D] into the cache slots named by slot_mapping [T]."""
+    """Write k, v [T, KVH, D] into the cache slots named by slot_mapping [T], cast to the cache's
+    dtype (a 16-bit pool under a float32 model: --kv-cache-dtype)."""
     kvh, d = k.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention_decode(
@@ -79,8 +80,9 @@ def paged_attention_decode(
     else:
         k_blocks = torch.index_select(k_cache, 0, flat, out=workspace[0, : b * nb])
         v_blocks = torch.index_select(v_cache, 0, flat, out=workspace[1, : b * nb])
-    keys = k_blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
-    values = v_blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
+    # A cache in another dtype than q (--kv-cache-dtype) is upcast here; a no-op otherwise.
+    keys = k_blocks.view(b, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
+    values = v_blocks.view(b, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
     pos = torch.arange(nb * bs, device=q.device)
     mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
     out = F.scaled_dot_product_attention(q.view(b, kvh, g, d), keys, values, attn_mask=mask, scale=scale)
@@ -105,11 +107,22 @@ def paged_attention_prefill(
     ctx = start_pos + length
     kvh = k_cache.shape[2]
     g = heads // kvh
-    keys = k_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
-    values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1)
+    keys = k_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1).to(q.dtype)
+    values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1).to(q.dtype)
     qg = q.transpose(0, 1).reshape(kvh, g * length, d)
     rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos
     mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [G*L, ctx]
     # A leading batch dim selects torch's fused CPU attention over the generic path.
     out = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask, scale=scale)
     return out[0].view(heads, length, d).transpose(0, 1)
+
+
+def rms_norm_residual(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: (rms_norm(x + residual), x + residual), [T, hidden] each.
+
+    The sum is rounded to the dtype first (as the unfused `x = x + y` is), then normed.
+    """
+    h = x + residual
+    return rms_norm(h, weight, eps), h

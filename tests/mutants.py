@@ -664,6 +664,62 @@ MUTANTS = [
         "            return ExitCode.GROUP_STOP",
         "tests/ring/test_pipeline_faults.py -k corrupted",
     ),
+    (
+        "the Triton decode kernel ignores the last partial block",
+        "kernels/triton_attention.py",
+        "        valid = toks < ctx\n",
+        "        valid = toks < ctx // BS * BS\n",
+        "tests/kernels/test_triton_kernels.py -k decode",
+    ),
+    (
+        "CPU decode reads scattered blocks as one run of the pool",
+        "kernels/cpu.py",
+        "    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))",
+        "    return True",
+        "tests/kernels/test_cpu_ops.py -k one_row",
+    ),
+    (
+        "CPU rotary negates the wrong half of sin",
+        "kernels/cpu.py",
+        "torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)",
+        "torch.cat((sin[:, :half], -sin[:, half:]), dim=-1)",
+        "tests/kernels/test_cpu_ops.py -k rotary",
+    ),
+    (
+        "router polls a starting group only every interval",
+        "services/pipeserve/router/replicas.py",
+        "            fast = not g.routable",
+        "            fast = False",
+        "tests/router/test_router_ready_poll.py",
+    ),
+    (
+        "16-bit KV pages keyed as the model's dtype",
+        "services/pipeserve/hicache/assemble.py",
+        "    dtype = dtype or cfg.dtype",
+        "    dtype = cfg.dtype",
+        "tests/engine/test_kv_memory.py -k page",
+    ),
+    (
+        "kv_cache_dtype ignored by the pool",
+        "services/pipeserve/ring/worker.py",
+        "config.block_size, device, pool_dtype)",
+        "config.block_size, device)",
+        "tests/engine/test_kv_memory.py -k tolerance",
+    ),
+    (
+        "pipeserve up imports torch",
+        "services/pipeserve/care/launcher.py",
+        "if TYPE_CHECKING:  # ring.group imports torch",
+        "if True:  # ring.group imports torch",
+        "tests/supervisor/test_up_imports.py",
+    ),
+    (
+        "bench --compare ratio upside down (peer over self)",
+        "services/pipeserve/bench/compare.py",
+        "        out[key] = a / b if a is not None and b else None",
+        "        out[key] = b / a if b is not None and a else None",
+        "tests/bench/test_compare.py -k stand_ins",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -22,6 +22,7 @@ from typing import TypeVar
 from pipeserve.errors import ConfigError
 
 DEVICES = ("cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 T = TypeVar("T")
 
 
@@ -61,8 +62,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (one microbatch)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit pool size (tests); wins over kv_cache_gb
-    kv_cache_gb: float | None = None  # None: a share of available memory, see kv_cache.py
+    kv_cache_gb: float | None = None  # None: sized by the engine's limits, capped by memory (kv_cache.py)
+    # the default pool's cap: this fraction of the memory available at start-up (CPU: MemAvailable;
+    # CUDA: free device memory after the weights are loaded), divided among a local group's stages
     kv_cache_memory_fraction: float = 0.25
+    # KV pool dtype; auto: the model's (float32 is HF-exact). 16-bit halves a float32 pool; greedy
+    # outputs then drift from float32's: measured on the demo model, docs/memory.md
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -122,6 +128,7 @@ class EngineConfig:
             "kv_cache_memory_fraction",
             "must be in (0, 0.9]",
         )
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
         need(self.stages >= 1, "stages", "must be >= 1")
         if self.layer_split is not None:

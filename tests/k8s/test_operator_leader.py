@@ -10,9 +10,8 @@ from k8s_support import NS, declare_resources
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.leader import LeaseElector
 
-pytestmark = [pytest.mark.asyncio]
 
-
+@pytest.mark.asyncio
 async def test_one_holder_and_takeover_after_expiry(kmock: kmock.KubernetesEmulator) -> None:
     declare_resources(kmock)
     now = [1000.0]
@@ -40,6 +39,7 @@ def test_renew_period_must_be_shorter_than_the_lease() -> None:
         LeaseElector(None, NS, "l", "me", lease_s=5, renew_s=5)  # type: ignore[arg-type]
 
 
+@pytest.mark.asyncio
 async def test_a_standby_answers_liveness_and_frees_the_port() -> None:
     # A standby waiting for the Lease is alive (the Deployment's probe must not restart it); once it
     # leads, kopf's own liveness endpoint takes the same port.

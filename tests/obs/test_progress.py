@@ -1,4 +1,4 @@
-"""Progress people can see: weights loading and KV pool zeroing report progress, as a bar on a
+"""Progress people can see: weights loading reports progress, as a bar on a
 terminal and as rate-limited log lines otherwise, without slowing the work down."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-import torch
 
-from pipeserve.engine import kv_cache
 from pipeserve.model import loader
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.stage_model import StageSpec
@@ -91,18 +89,3 @@ def test_weights_loading_reports_every_byte(llama_dir: Path, monkeypatch, caplog
     assert p.total == p.done == sum(stored[n] for n in tensors) > 0
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == len(tensors) + 1 and lines[-1].startswith("stage 0: loading weights: done")
-
-
-def test_kv_pool_zeroing_reports_and_zeroes(llama_dir: Path, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="pipeserve.engine.kv_cache")
-    Recording.made = []
-    monkeypatch.setattr(kv_cache, "Progress", Recording)
-    cfg = ModelConfig.from_dir(str(llama_dir), None)
-    pool = kv_cache.allocate_pool(cfg, 2, 8, 16, torch.device("cpu"))
-    (p,) = Recording.made
-    assert p.total == p.done == pool.nbytes
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 * 2 + 1 and lines[-1].startswith(
-        "zeroing the KV pool (8 blocks): done"
-    )  # a slab each
-    assert pool.shape == (2, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim) and not pool.any()

@@ -83,6 +83,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--quiet", action="store_true", help="no progress bar (there is none when stderr is no TTY)"
     )
+    from pipeserve.bench.compare import add_compare_args  # no heavy imports there
+
+    add_compare_args(b)
     b.set_defaults(func=run_bench)
 
 
@@ -109,6 +112,8 @@ def _args_line(args: argparse.Namespace) -> str:
         unused = {"num_turns", "num_conversations"}
     else:
         unused = {"num_prefixes", "request_rate"}
+    if not getattr(args, "compare", None):
+        unused |= {"compare_rounds", "single_stream_requests"}  # --compare's own
     for k, v in _public_args(args).items():
         if v is None or v is False or v == "" or k in unused:
             continue
@@ -209,6 +214,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
         plot.require()  # before the run: a missing matplotlib is said at once
     args.progress = sys.stderr.isatty() and not args.quiet
+    if args.compare:
+        return run_compare_cli(args)
     results: list[RequestResult] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary: dict | None = None
@@ -267,3 +274,30 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         ok = summary is not None and summary["completed"]
     return 0 if ok else 1
+
+
+def run_compare_cli(args: argparse.Namespace) -> int:
+    """`--compare PEER_URL` (bench/compare.py): both servers, the ratios, --json / --results-md."""
+    import httpx
+
+    from pipeserve.bench import compare
+
+    compare.check_compare_args(args)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    try:
+        doc = compare.run_compare(args, build_workload(args), _serve)
+    except (httpx.HTTPError, ConnectionError) as e:
+        print(f"pipeserve bench --compare: cannot benchmark: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(compare.format_compare(doc))
+    doc = {"date": started, "label": args.label, "commit": _git_commit(), "args": _public_args(args), **doc}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.results_md:
+        meta = {"date": started, "commit": _git_commit(), "self": args.url, "peer": args.compare}
+        lines = [f"## Compare: {args.label or args.workload + ' workload'}", ""]
+        lines += [f"- {k}: {v}" for k, v in meta.items()]
+        lines += ["", "```sh", _args_line(args), "```", "", *compare.compare_table_md(doc), ""]
+        with open(args.results_md, "a", encoding="utf-8") as f:
+            f.write("\n" + "\n".join(lines))
+    return 0 if doc["failed_requests"] == 0 else 1

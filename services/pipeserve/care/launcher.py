@@ -23,10 +23,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeserve.config import EngineConfig, config_argv
 from pipeserve.obs.logs import GROUP_ENV
-from pipeserve.ring.group import Rendezvous
+
+if TYPE_CHECKING:  # ring.group imports torch: `pipeserve up` (which never runs a stage) must not (start-up)
+    from pipeserve.ring.group import Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class LocalGroup:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def rendezvous(self, rank: int = 0) -> Rendezvous:
+        from pipeserve.ring.group import Rendezvous
+
         return Rendezvous(rank, self.config.stages, file=self.rendezvous_file)
 
     def start(

@@ -1,27 +1,51 @@
 """Sizing and allocation of a stage's paged KV pool.
 
-Pool layout: [layers_local, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
-The pool never needs more blocks than max_num_seqs full-length requests, so
-sizing from memory is capped there; it must hold at least one full-length
-request or the scheduler could not make progress.
+Pool layout: [layers_local, 2 (K, V), num_blocks, block_size, kv_heads, head_dim],
+in the KV dtype (`kv_cache_dtype`: the model's by default; float16/bfloat16 halve
+a float32 pool, values are cast on store and upcast in attention).
+
+Default size (neither num_kv_blocks nor kv_cache_gb given): what the engine can
+use — max_num_seqs full-length requests, max_num_seqs x max_model_len tokens
+rounded up to blocks, for this stage's layers — capped at
+kv_cache_memory_fraction of the memory available now (CPU: MemAvailable; CUDA:
+free device memory, measured after the weights are loaded); a binding cap is
+logged once. A local group divides the fraction between its stages, and the
+group takes the smallest proposal. The pool must hold one full-length request or
+the scheduler could not make progress.
+
+On the CPU the pool is an anonymous private mapping: the OS guarantees its pages
+read as zero until written, and a page costs memory (RSS) only once written, so
+neither start-up nor an unused part of the pool pays for zero-filling it.
+Attention reads unwritten slots (a partial last block, block 0 behind padded
+block tables) under a mask; 0 x NaN is NaN, so those slots must be finite, which
+zero pages are.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 
 from pipeserve.config import EngineConfig
 from pipeserve.errors import ConfigError
 from pipeserve.model.config import ModelConfig
-from pipeserve.obs.progress import Progress
 
 log = logging.getLogger(__name__)
 
 
-def block_bytes(cfg: ModelConfig, num_layers: int, block_size: int) -> int:
-    elem = torch.empty((), dtype=cfg.dtype).element_size()
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_dtype(config: EngineConfig, cfg: ModelConfig) -> torch.dtype:
+    """The pool's dtype: `kv_cache_dtype`, where "auto" is the model's dtype."""
+    return cfg.dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
+
+
+def block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one block over `num_layers` layers in `dtype` (default: the model's)."""
+    elem = torch.empty((), dtype=dtype or cfg.dtype).element_size()
     return num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
@@ -43,16 +67,29 @@ def num_kv_blocks(
     max_model_len: int,
     device: torch.device,
 ) -> int:
+    """The block count this stage proposes (module doc: explicit sizes win, else the default)."""
     per_request = -(-max_model_len // config.block_size)
+    wanted = per_request * config.max_num_seqs
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     else:
-        per_block = block_bytes(cfg, num_layers, config.block_size)
+        per_block = block_bytes(cfg, num_layers, config.block_size, kv_dtype(config, cfg))
         if config.kv_cache_gb is not None:
-            budget = int(config.kv_cache_gb * (1 << 30))
+            blocks = min(int(config.kv_cache_gb * (1 << 30)) // per_block, wanted)
         else:
-            budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
-        blocks = min(budget // per_block, per_request * config.max_num_seqs)
+            available = available_memory_bytes(device)
+            blocks = min(int(available * config.kv_cache_memory_fraction) // per_block, wanted)
+            if blocks < wanted:
+                log.info(
+                    "KV pool capped by memory: %d tokens fit in %.0f%% of %.2f GiB available "
+                    "(wanted %d = max_num_seqs %d x max_model_len %d)",
+                    blocks * config.block_size,
+                    100 * config.kv_cache_memory_fraction,
+                    available / (1 << 30),
+                    wanted * config.block_size,
+                    config.max_num_seqs,
+                    max_model_len,
+                )
     if blocks < per_request:
         raise ConfigError(
             f"KV pool of {blocks} blocks cannot hold one request of max_model_len={max_model_len} "
@@ -72,20 +109,25 @@ def num_host_slots(config: EngineConfig, cfg: ModelConfig, num_layers: int) -> i
     else:
         ram = available_memory_bytes(torch.device("cpu"))
         budget = int(ram * config.host_cache_memory_fraction / config.stages)
-    return max(0, budget // block_bytes(cfg, num_layers, config.block_size))
+    return max(0, budget // block_bytes(cfg, num_layers, config.block_size, kv_dtype(config, cfg)))
 
 
 def allocate_pool(
-    cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int, device: torch.device
+    cfg: ModelConfig,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The zeroed pool. Zeroed one (layer, K/V) slab at a time, the same work as torch.zeros (which
-    fills too: no lazily zeroed pages), so progress can be shown for a pool of many GiB."""
+    """The pool, every slot zero, in `dtype` (default: the model's). On the CPU an anonymous mapping
+    (module doc: zero pages from the OS, resident only once written); on CUDA torch.zeros (a memset)."""
     shape = (num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    pool = torch.empty(shape, dtype=cfg.dtype, device=device)
-    slab = pool.nbytes // max(1, num_layers * 2)
-    with Progress(f"zeroing the KV pool ({num_blocks} blocks)", pool.nbytes, log) as progress:
-        for layer in pool:
-            for kv in layer:
-                kv.zero_()
-                progress.update(slab)
-    return pool
+    dtype = dtype or cfg.dtype
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = max(1, block_bytes(cfg, num_layers, block_size, dtype) * num_blocks)
+    # MAP_PRIVATE: memory of this process only (MAP_SHARED anonymous memory would be shmem).
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # frombuffer keeps `region` alive as long as the tensor's storage lives.
+    return torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)

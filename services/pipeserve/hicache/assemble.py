@@ -25,11 +25,18 @@ def l3_fingerprint(model_fingerprint: str, split: list[tuple[int, int]], block_s
 
 
 def page_layouts(
-    fingerprint: str, split: list[tuple[int, int]], cfg: ModelConfig, block_size: int
+    fingerprint: str,
+    split: list[tuple[int, int]],
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype | None = None,
 ) -> list[PageLayout]:
-    """Every stage's page layout, in rank order (stage 0 asks L3 about all of them)."""
+    """Every stage's page layout, in rank order (stage 0 asks L3 about all of them). Pages carry the
+    KV pool's `dtype` (default: the model's): its name is in the key and the header, so a page of a
+    16-bit pool is never read into a 32-bit one."""
+    dtype = dtype or cfg.dtype
     return [
-        PageLayout(fingerprint, rank, lo, hi, block_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        PageLayout(fingerprint, rank, lo, hi, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         for rank, (lo, hi) in enumerate(split)
     ]
 

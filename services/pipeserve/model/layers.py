@@ -68,6 +68,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return K.rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel (one pass over the row on the GPU)."""
+        return K.rms_norm_residual(x, residual, self.weight, self.eps)
+
 
 class RotaryTable(nn.Module):
     """cos/sin for every position up to max_len, float32 math as in transformers."""
@@ -160,5 +164,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: AttentionBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
+        # x + attn and its norm together; the same float ops as HF's unfused add then norm.
+        h, x = self.post_attention_layernorm.add_and_norm(attn, x)
+        return x + self.mlp(h)

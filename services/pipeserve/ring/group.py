@@ -118,6 +118,7 @@ class StageIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int
     max_model_len: int
     dtype: str
+    kv_dtype: str  # the KV pool's (kv_cache_dtype resolved)
     kv_blocks: int
     gpu: str  # UUID of the stage's GPU; '' on CPU
     host_slots: int  # L2 slots this stage can hold (the group takes the minimum)
@@ -130,6 +131,7 @@ _MUST_MATCH = (
     ("block_size", "block size"),
     ("max_model_len", "max_model_len"),
     ("dtype", "dtype"),
+    ("kv_dtype", "KV cache dtype"),
     ("l3", "L3 (hicache_url) on or off"),
 )
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeserve.config import EngineConfig
-from pipeserve.engine.kv_cache import allocate_pool, num_host_slots, num_kv_blocks
+from pipeserve.engine.kv_cache import allocate_pool, kv_dtype, num_host_slots, num_kv_blocks
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.errors import ConfigError
 from pipeserve.hicache.assemble import build_stage_tiers, l3_fingerprint, page_layouts
@@ -105,6 +105,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     device = stage_device(config, rank)
     model = load_stage_model(config.model, cfg, spec, max_len, device)
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
+    pool_dtype = kv_dtype(config, cfg)
     host_slots = num_host_slots(config, cfg, spec.num_layers)
     fingerprint = model_fingerprint(config.model, cfg.dtype)
     link = None
@@ -117,6 +118,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
             config.block_size,
             max_len,
             str(cfg.dtype).removeprefix("torch."),
+            str(pool_dtype).removeprefix("torch."),
             blocks,
             str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "",
             host_slots,
@@ -130,11 +132,11 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         link = RingLink(
             rank, config.stages, meta_pg, data_pg, cfg.dtype, device, config.ring_timeout_s, faults
         )
-    pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device)
+    pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device, pool_dtype)
     runner = ModelRunner(model, pool, config.block_size, config.seed, rank)
     runner.request_check = faults.request_check(rank)
     layouts = page_layouts(
-        l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size
+        l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size, pool_dtype
     )
     tiers = build_stage_tiers(config, layouts[rank], host_slots, device, faults.l3_delay_s(rank))
     runner.tiers = tiers

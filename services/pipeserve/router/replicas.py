@@ -54,6 +54,8 @@ from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 
 SLOW_POLLS = 3  # Health polls in a row that time out before a group is taken out of routing
 
+UNROUTABLE_POLL_S = 0.05  # Health poll period of a group that is not routable
+
 log = logging.getLogger("pipeserve.router")
 
 # A restarted group listens on the same address again within seconds; gRPC's default
@@ -317,7 +319,15 @@ class ReplicaSet:
                 log.exception("polling group %s failed", g.name)
                 g.ready = False
                 self._export(g)
-            await asyncio.sleep(self.config.health_interval_s)
+            # A group not routable (starting, or coming back) is polled fast so it serves as soon as its
+            # Health turns ready, not up to an interval later (start-up time); a poll of a group that is
+            # not listening fails at once on its channel, so this costs little while one stays down.
+            fast = not g.routable
+            await asyncio.sleep(
+                min(UNROUTABLE_POLL_S, self.config.health_interval_s)
+                if fast
+                else self.config.health_interval_s
+            )
 
     async def _poll(self, g: GroupState) -> None:
         sent = time.monotonic()

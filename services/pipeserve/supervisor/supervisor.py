@@ -44,6 +44,8 @@ from pipeserve.config import SupervisorConfig
 from pipeserve.errors import ExitCode
 from pipeserve.supervisor.group import GroupSlot
 
+STARTING_INTERVAL_S = 0.05  # how often a starting group's /readyz is asked
+
 log = logging.getLogger(__name__)
 
 UNANSWERED = "/livez has not answered"  # how _probe words a stage too frozen to answer
@@ -131,7 +133,16 @@ class Supervisor:
             await asyncio.gather(*(self._watch(slot) for slot in self.slots))
             if all(s.record.phase is Phase.READY for s in self.slots):
                 self.all_ready.set()
-            await asyncio.sleep(self.config.interval_s)
+            # A starting group is looked at often, so `up` is ready as soon as its stages are; only within
+            # start_grace_s, where unanswered probes are not counted (_probe prices each at an interval).
+            now = time.monotonic()
+            starting = any(
+                s.record.phase is Phase.STARTING and now - s.started_at < self.config.start_grace_s
+                for s in self.slots
+            )
+            await asyncio.sleep(
+                min(STARTING_INTERVAL_S, self.config.interval_s) if starting else self.config.interval_s
+            )
 
     async def _watch(self, slot: GroupSlot) -> None:
         if self._stopping or slot.stopped:
