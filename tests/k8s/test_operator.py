@@ -114,9 +114,12 @@ async def test_cr_creates_groups_and_scales(kmock: kmock.KubernetesEmulator) -> 
         # Out of routing (status) first, the objects only after the drain period.
         await eventually(lambda: [g["index"] for g in groups(kmock)] == [0], step=0.1, timeout=30, wall=True)
         assert "p-g2" in live(kmock, STS)
-        await eventually(lambda: set(live(kmock, STS)) == {"p-g0"}, timeout=30, wall=True)
-        assert set(live(kmock, SVC)) == {"p-g0"}
-        assert set(live(kmock, NETPOL)) == {"p-g0"}
+
+        # A removed group's objects go one call after another (StatefulSet, Service, NetworkPolicy).
+        def only_g0() -> bool:
+            return set(live(kmock, STS)) == set(live(kmock, SVC)) == set(live(kmock, NETPOL)) == {"p-g0"}
+
+        await eventually(only_g0, timeout=30, wall=True)
 
 
 async def test_restart_deletes_the_whole_group_once(kmock: kmock.KubernetesEmulator) -> None:
