@@ -35,7 +35,10 @@ import offline_throughput as ot  # the checkpoint writer and its defaults
 
 # torch.profiler op name -> category (self CPU time); anything else is "other ops".
 CATEGORIES = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"),
+    "matmul": (
+        "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+        "aten::baddbmm",
+    ),
     "attention (SDPA)": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_softmax"),
     "KV gather": ("aten::index_select", "aten::index"),
     "KV store": ("aten::index_copy_",),
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bw = read_bandwidth()
     llm = LLM(model=bench.model_dir, kv_cache_gb=0.5, max_num_seqs=64, num_threads=args.threads)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weights = llm.engine.runner.model.weight_bytes()
     print(
         f"model {bench.model_dir}: weights {weights / 1e6:.0f} MB; read bandwidth {bw / 1e9:.1f} GB/s "
         f"-> single-stream bound {bw / weights:.1f} tok/s; {torch.get_num_threads()} threads"

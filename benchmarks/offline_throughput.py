@@ -193,7 +193,7 @@ def run_pipeserve(args: argparse.Namespace) -> dict[str, Any]:
     runner = llm.engine.runner
     pool = runner.kv_pool
     pool_bytes = pool.numel() * pool.element_size()
-    weights_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights_bytes = runner.model.weight_bytes()
     peak_rss = proc_status_bytes("VmHWM")
     # Pages of the pool never written are not resident; write them all to see how much.
     rss_before = proc_status_bytes("VmRSS")

@@ -14,7 +14,9 @@ N = KV blocks, BS = block size):
   block_tables          [B, max_blocks]   padded with 0 past a row's blocks
 """
 
-from pipeserve_kernels import cpu, reference
+import torch
+
+from pipeserve_kernels import cpu, cpu_linear, reference
 from pipeserve_kernels.dispatch import backend_from_env, cuda_triton_available, select
 
 # PIPESERVE_KERNELS=auto|torch|triton (dispatch.py); read once at import, an immutable choice.
@@ -30,10 +32,21 @@ silu_and_mul = select("silu_and_mul", cpu.silu_and_mul, BACKEND, _GPU)
 store_kv = select("store_kv", reference.store_kv, BACKEND, _GPU)
 paged_attention_decode = select("paged_attention_decode", cpu.paged_attention_decode, BACKEND, _GPU)
 paged_attention_prefill = select("paged_attention_prefill", reference.paged_attention_prefill, BACKEND, _GPU)
+# Projections: oneDNN on a weight packed at load (cpu_linear.py) where pack_linear_weight packed it,
+# F.linear for any other weight (CUDA, bfloat16/float16, PIPESERVE_KERNELS=torch|triton).
+linear = cpu_linear.linear
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight a projection should keep: packed for oneDNN on the CPU in auto mode, else itself."""
+    return cpu_linear.pack_weight(weight) if BACKEND == "auto" else weight
+
 
 __all__ = [
     "BACKEND",
     "apply_rotary",
+    "linear",
+    "pack_linear_weight",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",

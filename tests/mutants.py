@@ -720,6 +720,34 @@ MUTANTS = [
         "        out[key] = b / a if b is not None and a else None",
         "tests/bench/test_compare.py -k stand_ins",
     ),
+    (
+        "bench client never retries a connection closed before the response",
+        "services/pipeserve/bench/client.py",
+        "            for attempt in range(2):",
+        "            for attempt in range(1):",
+        "tests/bench/test_bench_retry.py",
+    ),
+    (
+        "bench client retries a response that had started",
+        "services/pipeserve/bench/client.py",
+        "                    if started or attempt:",
+        "                    if attempt:",
+        "tests/bench/test_bench_retry.py",
+    ),
+    (
+        "CPU projections left unpacked (MKL's slow small-M path)",
+        "kernels/__init__.py",
+        "    return cpu_linear.pack_weight(weight) if BACKEND == \"auto\" else weight",
+        "    return weight",
+        "tests/kernels/test_cpu_linear.py",
+    ),
+    (
+        "tied lm_head packed (the vocabulary matrix held twice)",
+        "services/pipeserve/model/stage_model.py",
+        "            if isinstance(module, Linear) and not (tied and module is self.lm_head):",
+        "            if isinstance(module, Linear):",
+        "tests/kernels/test_cpu_linear.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -137,19 +137,33 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
 async def send_request(
     client: httpx.AsyncClient, model: str, req: BenchRequest, timeout_s: float, extra: dict | None = None
 ) -> RequestResult:
-    """One streamed completion; `extra` adds fields to the body (e.g. return_token_ids)."""
+    """One streamed completion; `extra` adds fields to the body (e.g. return_token_ids).
+
+    A server may close an idle keep-alive connection just as the client reuses it; the request
+    then fails with "Server disconnected without sending a response" although the server never
+    saw it. Such a failure (no response started) is retried once on a fresh connection; the time
+    lost stays charged to the request. A failure after the response started is never retried.
+    """
     result = RequestResult(prompt_len=req.prompt_len)
     start = result.start = time.perf_counter()
+    body = completion_body(model, req) | (extra or {})
     try:
         # asyncio.timeout bounds the whole request; httpx's timeout only bounds each read.
         async with asyncio.timeout(timeout_s):
-            async with client.stream(
-                "POST", "/v1/completions", json=completion_body(model, req) | (extra or {})
-            ) as resp:
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode(errors="replace")[:200]
-                    raise RuntimeError(f"HTTP {resp.status_code}: {body}")
-                await _read_stream(resp, result, start)
+            for attempt in range(2):
+                started = False
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as resp:
+                        started = True
+                        if resp.status_code != 200:
+                            text = (await resp.aread()).decode(errors="replace")[:200]
+                            raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+                        await _read_stream(resp, result, start)
+                    break
+                except httpx.RemoteProtocolError:
+                    if started or attempt:
+                        raise
+                    result.retried = True
         result.latency = time.perf_counter() - start
         result.success = True
     except Exception as e:  # noqa: BLE001 - any failure is this request's result, not the run's end

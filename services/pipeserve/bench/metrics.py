@@ -32,6 +32,7 @@ class RequestResult:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     token_ids: list[int] = field(default_factory=list)  # generated ids, when the server returns them
     start: float = 0.0  # time.perf_counter() when sent (plots over time: bench/plot.py)
+    retried: bool = False  # sent twice: the first try hit a connection the server had closed
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float | None]:
@@ -54,6 +55,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "retried": sum(r.retried for r in results),
         "duration_s": duration_s,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,

@@ -59,6 +59,24 @@ class AttentionBatch:
     workspace: torch.Tensor | None = None
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be swapped for a packed one (pack_weight), via K.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.linear(x, self.weight, self.bias)
+
+    def pack_weight(self) -> None:
+        """Keep the weight in the kernel's preferred layout (oneDNN's on the CPU; else unchanged).
+
+        Call once the weight is loaded and on its device. A packed weight is a plain attribute, not
+        a Parameter: it cannot move devices or be saved, and the dense copy is dropped.
+        """
+        packed = K.pack_linear_weight(self.weight.data)
+        if packed is not self.weight.data:
+            del self.weight
+            self.weight = packed
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -103,8 +121,8 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -146,8 +164,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(K.silu_and_mul(self.gate_up_proj(x)))

@@ -188,4 +188,6 @@ def load_stage_model(
             )
     model.load_state_dict(params, strict=False, assign=True)
     model.requires_grad_(False)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.pack_weights()
+    return model

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.layers import AttentionBatch, DecoderLayer, RMSNorm, RotaryTable
+from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear, RMSNorm, RotaryTable
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,29 @@ class StageModel(nn.Module):
         self.rotary = RotaryTable(cfg, max_len)
         if stage.is_last:
             self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head: Linear | None = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
             self.norm = None
             self.lm_head = None
+
+    def pack_weights(self) -> None:
+        """Projections into the kernels' layout (layers.Linear.pack_weight); once, after loading.
+
+        A tied lm_head shares the embedding's tensor; packing it would keep a second copy of the
+        vocabulary matrix, so it stays dense.
+        """
+        # One tensor under two names when the checkpoint ties them and this stage holds both.
+        tied = self.cfg.tie_word_embeddings and self.embed_tokens is not None
+        for module in self.modules():
+            if isinstance(module, Linear) and not (tied and module is self.lm_head):
+                module.pack_weight()
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the stage holds, packed projections included (not Parameters)."""
+        packed = [m.weight for m in self.modules() if isinstance(m, Linear) and m.weight.is_mkldnn]
+        # A tied lm_head is a second Parameter over the embedding's storage: count storages once.
+        dense = {p.data_ptr(): p.numel() * p.element_size() for p in self.parameters()}
+        return sum(dense.values()) + sum(t.numel() * t.element_size() for t in packed)
 
     def forward(
         self,

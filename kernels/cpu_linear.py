@@ -1,0 +1,48 @@
+"""Linear layers on the CPU through oneDNN, with each weight reordered once at load.
+
+Why: torch's float32 `linear` on this class of CPU goes to MKL, which runs small-M products far
+below the memory bandwidth (M = 1 reads weights at ~15 GB/s where a sum reads ~31; M = 16 runs at
+~35 GFLOP/s). oneDNN with its weight already in its blocked layout reads ~2x faster at M = 1 and
+runs M = 16 ~1.8x faster (benchmarks/RESULTS.md, "oneDNN packed linear"), and is no slower for
+prefill-sized M. A decode step is mostly these products, so this is the single-stream lever.
+
+The packed weight is an opaque `torch._mkldnn` tensor of the same shape and size; the dense one is
+dropped, so memory does not grow. Packing is for float32 CPU weights only (bfloat16 needs AVX-512
+in oneDNN's CPU path; float16 has no fast path): `pack_weight` returns any other weight unchanged,
+and `linear` runs `F.linear` for it. Sums run in a different order than MKL's, so results differ
+from `F.linear` within float32 rounding (tests/kernels/test_cpu_linear.py bounds it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The M oneDNN tunes the packed layout for. 1 favours single-stream decode, larger values batched
+# decode and prefill; measured on a decode step of the 169M benchmark model (RESULTS.md).
+BATCH_HINT = 1
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """A weight oneDNN can pack here: float32, 2-D, on the CPU, oneDNN present."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the same values in oneDNN's layout, or weight itself if not packable."""
+    if not can_pack(weight):
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ weight.T + bias -> [..., out]; weight dense or from pack_weight."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)

@@ -1,0 +1,93 @@
+"""Projections through oneDNN on packed weights (kernels/cpu_linear.py) and how a stage uses them.
+
+Packed products sum in oneDNN's order, not MKL's, so they are compared with F.linear within
+float32 rounding, over the row counts a stage sees (one decode row, a decode batch, prefill
+chunks) and the awkward inputs (a bias, a non-contiguous view, no rows). The loader must pack
+every float32 projection of a CPU stage, keep a tied lm_head dense (packing it would hold the
+vocabulary matrix twice), leave other dtypes alone, and report the same weight bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeserve_kernels as K
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.demo import DemoSpec, write_demo_model
+from pipeserve.model.layers import Linear
+from pipeserve.model.loader import load_stage_model
+from pipeserve.model.stage_model import StageSpec
+from pipeserve_kernels import cpu_linear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 3, 16, 67, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    w, x = randn(96, 80), randn(rows, 80, seed=1)
+    b = randn(96, seed=2) if bias else None
+    packed = cpu_linear.pack_weight(w)
+    assert packed.is_mkldnn and tuple(packed.shape) == (96, 80)
+    got = cpu_linear.linear(x, packed, b)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_linear_takes_a_non_contiguous_input() -> None:
+    w, x = randn(32, 48), randn(48, 5, seed=1).t()
+    assert not x.is_contiguous()
+    torch.testing.assert_close(cpu_linear.linear(x, cpu_linear.pack_weight(w), None), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_other_dtypes_stay_dense(dtype: torch.dtype) -> None:
+    w = randn(16, 8).to(dtype)
+    assert cpu_linear.pack_weight(w) is w
+    x = randn(2, 8, seed=1).to(dtype)
+    assert torch.equal(cpu_linear.linear(x, w, None), F.linear(x, w))
+
+
+def _stage(model_dir: Path, dtype: str = "float32"):
+    cfg = ModelConfig.from_dir(model_dir, dtype)
+    return load_stage_model(model_dir, cfg, StageSpec(0, 1, 0, cfg.num_layers), 64, torch.device("cpu"))
+
+
+@needs_onednn
+@pytest.mark.parametrize("tied", [False, True])
+def test_loader_packs_every_projection_but_a_tied_head(tmp_path: Path, tied: bool) -> None:
+    if K.BACKEND != "auto":
+        pytest.skip("weights are packed in auto mode only")
+    path = write_demo_model(tmp_path / "m", DemoSpec(layers=2, tie_embeddings=tied))
+    model = _stage(path)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; lm_head
+    for m in linears:
+        if tied and m is model.lm_head:
+            assert not m.weight.is_mkldnn
+            assert m.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+        else:
+            assert m.weight.is_mkldnn
+    dense = sum(t.numel() * t.element_size() for t in _dense_tensors(path))
+    assert model.weight_bytes() == dense
+
+
+def _dense_tensors(path: Path) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return list(load_file(str(path / "model.safetensors")).values())
+
+
+def test_bfloat16_stage_keeps_dense_weights(tmp_path: Path) -> None:
+    model = _stage(write_demo_model(tmp_path / "m", DemoSpec(layers=1)), "bfloat16")
+    assert not any(m.weight.is_mkldnn for m in model.modules() if isinstance(m, Linear))
