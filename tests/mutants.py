@@ -737,7 +737,7 @@ MUTANTS = [
     (
         "CPU projections left unpacked (MKL's slow small-M path)",
         "kernels/__init__.py",
-        "    return cpu_linear.pack_weight(weight) if BACKEND == \"auto\" else weight",
+        '    return cpu_linear.pack_weight(weight) if BACKEND == "auto" else weight',
         "    return weight",
         "tests/kernels/test_cpu_linear.py",
     ),
