@@ -151,6 +151,12 @@ def profile_batch(llm: Any, timer: StepTimer, batch: int, args: argparse.Namespa
         print(f"    {cat:<24} {1000 * s:>8.3f} ms  {1000 * s / layers:>7.3f} ms/layer")
     py = statistics.median(prof_walls) - in_ops
     print(f"    {'python (wall - ops)':<24} {1000 * py:>8.3f} ms  {1000 * py / layers:>7.3f} ms/layer")
+    if args.top_ops:
+        print(f"  most called ops (calls per layer, self CPU ms per step), top {args.top_ops}:")
+        events = sorted(prof.key_averages(), key=lambda e: -e.count)[: args.top_ops]
+        for e in events:
+            per_layer = e.count / args.steps / layers
+            print(f"    {e.key:<48} {per_layer:>6.1f}  {e.self_cpu_time_total / 1e3 / args.steps:>8.3f}")
 
 
 def ab(llm: Any, args: argparse.Namespace) -> None:
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         help="A/B clock; cpu (process CPU time) with --threads 1 is robust to a loaded machine",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-ops", type=int, default=0, help="also list the N most called ops")
     args = p.parse_args(argv)
     bench = ot.parse_args(["--threads", str(args.threads)] if args.threads else [])
     ot.ensure_model(bench)

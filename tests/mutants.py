@@ -748,6 +748,13 @@ MUTANTS = [
         "            if isinstance(module, Linear):",
         "tests/kernels/test_cpu_linear.py",
     ),
+    (
+        "engine loop on a thread of its own, not the one that built the engine",
+        "services/pipeserve/stage/engine_loop.py",
+        "        if self._executor is not None:",
+        "        if False:",
+        "tests/stage/test_engine_thread.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

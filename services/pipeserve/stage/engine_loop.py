@@ -32,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -121,9 +122,21 @@ class _Abort:
     req_id: str
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The thread that builds the engine (submit build_engine to it) and then runs its EngineLoop."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-loop")
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, max_waiting: int) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int, thread: ThreadPoolExecutor | None = None) -> None:
+        """thread: the one-thread executor that built `engine` (engine_thread()); the loop runs there.
+
+        Why the same thread: torch's OpenMP pools are per calling thread, and a decode step run
+        from a thread other than the one that loaded and packed the weights measured ~25 % slower
+        (benchmarks/RESULTS.md). Without one, the loop gets a thread of its own.
+        """
         self.engine = engine
+        self._executor = thread
         self.max_waiting = max_waiting
         self.phase = Phase.JOINING  # the engine (and its ring) exists; the loop does not serve yet
         self.stop_reason: str | None = None
@@ -199,6 +212,9 @@ class EngineLoop:
     # --- lifecycle -------------------------------------------------------------
     def start(self) -> None:
         self.phase = Phase.READY
+        if self._executor is not None:
+            self._executor.submit(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -62,6 +62,7 @@ from pipeserve.stage.engine_loop import (
     ErrorKind,
     NotServing,
     Overloaded,
+    engine_thread,
 )
 from pipeserve.stage.engine_metrics import busy_metrics, engine_metrics
 from pipeserve.stage.factory import build_engine
@@ -207,8 +208,10 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
 def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous, status: StageStatus) -> int:
     """Build the engine (the group forms), serve until SIGTERM or a group stop; the exit status."""
     status.phase = Phase.JOINING
-    engine = build_engine(config, rdzv)
-    loop = EngineLoop(engine, serve.max_waiting)
+    thread = engine_thread()
+    # Waiting on the build is calling it: its deadlines (rendezvous, ring) are build_engine's own.
+    engine = thread.submit(build_engine, config, rdzv).result()
+    loop = EngineLoop(engine, serve.max_waiting, thread)
     detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)
     status.detector = detector
     status.serving = lambda: (
