@@ -29,8 +29,6 @@ import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from pipeserve.config import (
@@ -50,6 +48,8 @@ if TYPE_CHECKING:
 # The parser (`add_up_parser`, built by `pipeserve --help` and every subcommand, the operator's
 # images included) must not import torch: what reaches the ring (care.launcher, care.local_redis,
 # supervisor.group -> ring.group -> torch) is imported inside the functions that run `up`.
+# Start-up order: the stages are launched first (their torch import and weight load are the long
+# pole), the private Redis and the router's imports (FastAPI) happen while they start.
 
 log = logging.getLogger("pipeserve.up")
 
@@ -125,14 +125,17 @@ async def serve_up(configs: UpConfigs) -> int:
     from pipeserve.care.local_redis import LocalRedis
 
     registry = CollectorRegistry()
-    redis = None
+    redis = redis_start = None
     if engine.hicache_url == "local":  # L3 on a private redis-server, kept running below
-        redis = await asyncio.to_thread(LocalRedis().start)
+        redis = LocalRedis()  # its port is chosen now: the stages are launched with its URL
         engine = dataclasses.replace(engine, hicache_url=redis.url)
-        log.info("L3: private redis-server at %s", redis.url)
+        # Started beside the stages, which reach L3 only after importing torch and loading weights.
+        redis_start = asyncio.create_task(asyncio.to_thread(redis.start))
     try:
-        return await _serve_groups(configs, engine, registry, redis)
+        return await _serve_groups(configs, engine, registry, redis, redis_start)
     finally:
+        if redis_start is not None:
+            await asyncio.wait([redis_start], timeout=15.0)  # start() has its own 10 s deadline
         if redis is not None:
             redis.stop()
 
@@ -149,32 +152,53 @@ async def _watch_redis(redis: LocalRedis) -> None:
 
 
 async def _serve_groups(
-    configs: UpConfigs, engine: EngineConfig, registry: CollectorRegistry, redis: LocalRedis | None
+    configs: UpConfigs,
+    engine: EngineConfig,
+    registry: CollectorRegistry,
+    redis: LocalRedis | None,
+    redis_start: asyncio.Task[LocalRedis] | None,
 ) -> int:
     serve, router = configs.serve, configs.router
-    from pipeserve.router.app import build_app
-    from pipeserve.router.replicas import ReplicaSet
     from pipeserve.supervisor.group import GroupSlot
     from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
     slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(configs.replicas)]
-    targets = {s.name: s.grpc_target for s in slots}
-    replica_set = ReplicaSet(router, targets, registry)
     loop = asyncio.get_running_loop()
+    replica_set = None  # built once the stages are launching
 
     def on_down(name: str, reason: str) -> None:  # called on the supervisor's thread
-        loop.call_soon_threadsafe(replica_set.set_down, name, reason)
+        if replica_set is not None:  # before the router exists its first poll sees the group down
+            loop.call_soon_threadsafe(replica_set.set_down, name, reason)
 
     supervisor = Supervisor(slots, registry, on_down=on_down, config=configs.supervisor)
     watcher = SupervisorThread(supervisor)
+    await asyncio.to_thread(watcher.start)  # the stages start now
+    if redis_start is not None:
+        try:
+            await redis_start
+        except BaseException:
+            await asyncio.to_thread(watcher.stop, 0.0, supervisor.config.kill_grace_s + 30.0)
+            raise
+        log.info("L3: private redis-server at %s", engine.hicache_url)
+
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from pipeserve.router.app import build_app
+    from pipeserve.router.replicas import ReplicaSet
+
+    replica_set = ReplicaSet(router, {s.name: s.grpc_target for s in slots}, registry)
     app = build_app(router, replica_set, registry)
 
-    @app.get("/groups", include_in_schema=False)
     def groups(request: Request) -> JSONResponse:
         """The supervisor's view of every group (state, restarts, pids, endpoints) with the router's."""
         app.state.router.check_auth(request)
         routed = {r["name"]: r for r in replica_set.snapshot()}
         return JSONResponse([{**s.snapshot(), "router": routed.get(s.name)} for s in slots])
+
+    # A plain route (the handler gets the request): FastAPI would resolve the annotations above
+    # from the module's globals, where this function-local import is not.
+    app.add_route("/groups", groups, methods=["GET"], include_in_schema=False)
 
     server = _Server(
         server_config(app, router, access_log=False, timeout_graceful_shutdown=serve.drain_timeout_s)
@@ -192,7 +216,6 @@ async def _serve_groups(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
-    await asyncio.to_thread(watcher.start)
     await replica_set.start()
     http = asyncio.create_task(server.serve())
 
