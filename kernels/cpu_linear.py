@@ -15,8 +15,21 @@ from `F.linear` within float32 rounding (tests/kernels/test_cpu_linear.py bounds
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+# oneDNN builds (JIT-compiles) and caches one primitive per input shape, ~0.6 MB each, up to 1024 of
+# them: a server whose steps have every row count from 1 to 2048 would keep ~600 MB of them, and
+# glibc kept ~3.6 GB of freed activation buffers of those sizes (RESULTS.md). So the row counts
+# oneDNN sees are a fixed set: up to EXACT_ROWS as they are (decode batches, no padding); larger
+# inputs in pieces of CHUNK_ROWS rows, the last piece zero-padded to a multiple of ROW_QUANTUM
+# (rows are independent; the padding rows are dropped): 46 shapes per weight shape, ~0.6 MB each.
+# Measured at 108-113 GFLOP/s for 100-2048 rows, as fast as one call of the exact shape.
+EXACT_ROWS = 32
+ROW_QUANTUM = 16
+CHUNK_ROWS = 256
 
 # The M oneDNN tunes the packed layout for. 1 favours single-stream decode, larger values batched
 # decode and prefill; measured on a decode step of the 169M benchmark model (RESULTS.md).
@@ -41,8 +54,31 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
 
+def row_pieces(rows: int) -> list[tuple[int, int, int]]:
+    """(start, rows, rows run) of each oneDNN call for an input of `rows` rows; rows run >= rows."""
+    if rows <= EXACT_ROWS:
+        return [(0, rows, rows)]
+    pieces = []
+    for start in range(0, rows, CHUNK_ROWS):
+        n = min(CHUNK_ROWS, rows - start)
+        run = n if n <= EXACT_ROWS else math.ceil(n / ROW_QUANTUM) * ROW_QUANTUM
+        pieces.append((start, n, run))
+    return pieces
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ weight.T + bias -> [..., out]; weight dense or from pack_weight."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    outs = []
+    for start, n, run in row_pieces(flat.shape[0]):
+        part = flat[start : start + n]
+        if run > n:
+            padded = part.new_zeros(run, part.shape[1])
+            padded[:n] = part
+            part = padded
+        out = torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")
+        outs.append(out[:n] if run > n else out)
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -4,7 +4,10 @@ PIPESERVE_KERNELS (read once, when pipeserve_kernels is imported):
   auto    (default) Triton for CUDA tensors when triton imports and a CUDA
           device exists; the CPU function for everything else. Without CUDA,
           triton is never imported (it costs start-up time and memory).
-  torch   the CPU functions everywhere (on CUDA they run as PyTorch ops).
+          float32 CPU projections run on weights packed for oneDNN at load
+          (cpu_linear.py).
+  torch   the CPU functions everywhere (on CUDA they run as PyTorch ops);
+          projections are plain F.linear on dense weights (no packing).
   triton  the Triton kernels everywhere; on a machine without CUDA that needs
           TRITON_INTERPRET=1 in the environment (the interpreter tests, the
           engine check in tests/kernels/).

@@ -755,6 +755,13 @@ MUTANTS = [
         "        if False:",
         "tests/stage/test_engine_thread.py",
     ),
+    (
+        "oneDNN sees every row count (one cached primitive per shape, unbounded memory)",
+        "kernels/cpu_linear.py",
+        "        run = n if n <= EXACT_ROWS else math.ceil(n / ROW_QUANTUM) * ROW_QUANTUM",
+        "        run = n",
+        "tests/kernels/test_cpu_linear.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -31,7 +31,7 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [0, 1, 3, 16, 67, 300])
+@pytest.mark.parametrize("rows", [0, 1, 3, 16, 32, 33, 67, 256, 257, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     w, x = randn(96, 80), randn(rows, 80, seed=1)
@@ -41,6 +41,29 @@ def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
     got = cpu_linear.linear(x, packed, b)
     assert got.shape == (rows, 96) and got.dtype == torch.float32
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_row_pieces_cover_every_row_once_with_a_bounded_set_of_shapes() -> None:
+    """oneDNN keeps a compiled primitive per input shape: the shapes it sees must be a small fixed set."""
+    shapes = set()
+    for rows in range(0, 4097):
+        covered = 0
+        for start, n, run in cpu_linear.row_pieces(rows):
+            assert (start == covered and 0 <= n <= run <= cpu_linear.CHUNK_ROWS) or rows == 0
+            assert run == n if n <= cpu_linear.EXACT_ROWS else run % cpu_linear.ROW_QUANTUM == 0
+            assert run - n < cpu_linear.ROW_QUANTUM  # padding wastes less than one quantum
+            covered += n
+            shapes.add(run)
+        assert covered == rows
+    assert len(shapes) <= cpu_linear.EXACT_ROWS + 1 + cpu_linear.CHUNK_ROWS // cpu_linear.ROW_QUANTUM
+
+
+@needs_onednn
+def test_packed_linear_keeps_leading_dims() -> None:
+    w, x = randn(24, 16), randn(2, 40, 16, seed=1)
+    got = cpu_linear.linear(x, cpu_linear.pack_weight(w), None)
+    assert got.shape == (2, 40, 24)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
