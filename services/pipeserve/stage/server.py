@@ -105,16 +105,28 @@ class _QueueSink:
             pass  # the server's event loop has closed: the call is gone with it
 
 
+CALLS_END_S = 10.0  # how long a stopping server waits for its open calls to send their status
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, loop: EngineLoop, model_name: str, status: StageStatus) -> None:
         self.loop = loop
         self.model_name = model_name
         self.status = status
         engine = loop.engine
+        self.open_calls = 0  # Generate calls that have not returned their status yet
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        self.open_calls += 1
+        try:
+            async for msg in self._generate(request, context):
+                yield msg
+        finally:
+            self.open_calls -= 1
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
@@ -176,7 +188,8 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     # Tracing on: the official interceptor makes Generate's server span from the router's traceparent.
     interceptors = [generate_interceptor()] if tracing.enabled() else []
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(loop, model_name, status), server)
+    service = GenerationService(loop, model_name, status)
+    pb_grpc.add_GenerationServicer_to_server(service, server)
     port = server.add_insecure_port(f"{serve.host}:{serve.grpc_port}")
     await server.start()
     aloop = asyncio.get_running_loop()
@@ -195,6 +208,12 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
             log.warning("drain timed out after %.0fs: ending the remaining requests", serve.drain_timeout_s)
             loop.end("server shutting down")
     await asyncio.to_thread(loop.join, loop.engine.config.ring_timeout_s + 5)
+    # Every open call has its final delta by now; let each send it (its status, and the ADMITTED
+    # metadata the router reads to never carry a request that killed this group to another) before
+    # the server stops: on a loaded machine one second of grace can pass before a call runs again.
+    deadline = time.monotonic() + CALLS_END_S
+    while service.open_calls and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     await server.stop(grace=1.0)
     status.phase = Phase.STOPPED
     if loop.failed:
