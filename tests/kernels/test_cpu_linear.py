@@ -112,5 +112,11 @@ def _dense_tensors(path: Path) -> list[torch.Tensor]:
 
 
 def test_bfloat16_stage_keeps_dense_weights(tmp_path: Path) -> None:
-    model = _stage(write_demo_model(tmp_path / "m", DemoSpec(layers=1)), "bfloat16")
-    assert not any(m.weight.is_mkldnn for m in model.modules() if isinstance(m, Linear))
+    path = write_demo_model(tmp_path / "m", DemoSpec(layers=1))
+    model = _stage(path, "bfloat16")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert not any(m.weight.is_mkldnn for m in linears)
+    # Left as they were: still Parameters of the model, counted once each.
+    assert all(isinstance(m.weight, torch.nn.Parameter) for m in linears)
+    dense = sum(t.numel() * 2 for t in _dense_tensors(path))  # the checkpoint's tensors in bfloat16
+    assert model.weight_bytes() == dense

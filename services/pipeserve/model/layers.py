@@ -71,8 +71,9 @@ class Linear(nn.Linear):
         Call once the weight is loaded and on its device. A packed weight is a plain attribute, not
         a Parameter: it cannot move devices or be saved, and the dense copy is dropped.
         """
-        packed = K.pack_linear_weight(self.weight.data)
-        if packed is not self.weight.data:
+        dense = self.weight.data  # one object: each `.data` access makes a new tensor
+        packed = K.pack_linear_weight(dense)
+        if packed is not dense:
             del self.weight
             self.weight = packed
 
