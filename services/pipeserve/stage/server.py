@@ -114,19 +114,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.model_name = model_name
         self.status = status
         engine = loop.engine
-        self.open_calls = 0  # Generate calls that have not returned their status yet
+        self.open_calls = 0  # admitted Generate calls that have not returned their status yet
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        self.open_calls += 1
-        try:
-            async for msg in self._generate(request, context):
-                yield msg
-        finally:
-            self.open_calls -= 1
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
@@ -143,6 +135,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         except NotServing as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"group not serving: {e}")
         final = False
+        self.open_calls += 1  # admitted: counted until its status is sent (_serve waits for them)
         try:
             await context.send_initial_metadata(((ADMITTED_KEY, "1"),))
             while not final:
@@ -154,6 +147,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     await context.abort(code, prefix + delta.error)
                 yield delta_to_proto(delta)
         finally:
+            self.open_calls -= 1
             if not final:  # cancelled: the client went away or its deadline passed
                 self.loop.abort(rid)
 
