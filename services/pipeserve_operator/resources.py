@@ -25,25 +25,25 @@ import io
 import math
 from typing import Any
 
+from pipeserve_operator import pod
 from pipeserve_operator.crd import GROUP, KIND, VERSION, with_defaults
+from pipeserve_operator.owned import RESERVED_FLAGS as RESERVED_FLAGS
+from pipeserve_operator.owned import SpecError as SpecError
 
 GRPC_PORT, HEALTH_PORT, RENDEZVOUS_PORT = 50051, 8080, 29500
 PIPELINE_LABEL, GROUP_LABEL = "pipeserve.io/pipeline", "pipeserve.io/group"
 GENERATION_LABEL, POD_INDEX_LABEL = "pipeserve.io/group-generation", "apps.kubernetes.io/pod-index"
-# Flags the operator derives from the spec's own fields: setting them through `engine` would contradict it.
-RESERVED_FLAGS = frozenset(
-    {"model", "rank", "world-size", "master-addr", "master-port", "rendezvous-file", "host", "health-port"}
-    | {"grpc-port", "wedge-timeout", "wedge-timeout-s", "layer-split", "host-cache-gb", "hicache-url"}
-)
 STARTUP_PERIOD_S = 10
-
-
-class SpecError(ValueError):
-    """The spec cannot be turned into runnable pods (retrying without a spec change will not help)."""
 
 
 def group_name(pipeline: dict, index: int) -> str:
     return f"{pipeline['metadata']['name']}-g{index}"
+
+
+def pod_group_name(pipeline: dict, index: int) -> str:
+    """The gang of group `index`: Volcano's PodGroup name (annotation scheduling.k8s.io/group-name on
+    every pod) and Kueue's pod group (label kueue.x-k8s.io/pod-group-name)."""
+    return group_name(pipeline, index)
 
 
 def group_endpoint(pipeline: dict, index: int) -> str:
@@ -178,6 +178,10 @@ def stage_args(spec: dict[str, Any]) -> list[str]:
     args = ["--model", spec["model"]["path"], "--world-size", str(spec["stages"])]
     args += ["--host", "0.0.0.0", "--health-port", str(HEALTH_PORT), "--grpc-port", str(GRPC_PORT)]
     args += ["--wedge-timeout-s", str(spec["wedgeTimeoutSeconds"])]
+    args += ["--device", pod.stage_device(spec)]
+    # The group may wait for its slowest pod as long as the operator waits for it: a shorter rendezvous
+    # deadline would make the ranks that started exit while rank 0 is still Pending (a restart loop).
+    args += ["--connect-timeout-s", str(spec["startupDeadlineSeconds"])]
     if spec["model"].get("servedModelName") and "served-model-name" not in spec.get("engine", {}):
         args += ["--served-model-name", spec["model"]["servedModelName"]]
     if spec.get("layerSplit"):
@@ -237,25 +241,12 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
-    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    model = spec["model"]
-    if model.get("persistentVolumeClaim"):
-        pvc = {"claimName": model["persistentVolumeClaim"], "readOnly": True}
-        volumes.append({"name": "model", "persistentVolumeClaim": pvc})
-    elif model.get("hostPath"):
-        volumes.append({"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}})
-    if len(volumes) > 1:
-        mounts.append({"name": "model", "mountPath": model["mountPath"], "readOnly": True})
-    return volumes, mounts
-
-
 def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, Any]:
     spec = with_defaults(pipeline["spec"])
     if spec["model"].get("persistentVolumeClaim") and spec["model"].get("hostPath"):
         raise SpecError("model.persistentVolumeClaim and model.hostPath are mutually exclusive")
-    volumes, mounts = _volumes(spec)
+    pod.check_owned_names(spec)
+    volumes, mounts = pod.pod_volumes(spec, pod.stage_device(spec))
     container = {
         "name": "stage",
         "image": spec["image"],
@@ -263,6 +254,7 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
         "command": ["pipeserve", "stage"],
         "args": stage_args(spec),
         "env": _env(pipeline, index, spec),
+        **({"envFrom": [dict(e) for e in spec["envFrom"]]} if spec.get("envFrom") else {}),
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT},
             {"name": "health", "containerPort": HEALTH_PORT},
@@ -295,9 +287,26 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    for key in ("nodeSelector", "tolerations", "affinity"):
-        if spec.get(key):
-            pod_spec[key] = spec[key]
+    pod.customize(pod_spec, spec)
+    affinity = pod.pod_affinity(spec, group_selector(pipeline, index))
+    if affinity:
+        pod_spec["affinity"] = affinity
+    gang_labels, annotations, scheduler = pod.gang_metadata(
+        spec, pod_group_name(pipeline, index), spec["stages"]
+    )
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
+    template_meta: dict[str, Any] = {
+        "labels": {
+            **(spec.get("podLabels") or {}),
+            **gang_labels,
+            **labels,
+            GENERATION_LABEL: str(generation),
+        }
+    }
+    annotations = {**(spec.get("podAnnotations") or {}), **annotations}
+    if annotations:
+        template_meta["annotations"] = annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -309,7 +318,7 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": group_selector(pipeline, index)},
             "template": {
-                "metadata": {"labels": {**labels, GENERATION_LABEL: str(generation)}},
+                "metadata": template_meta,
                 "spec": pod_spec,
             },
         },

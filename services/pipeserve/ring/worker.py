@@ -103,6 +103,10 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     split = layer_split(config, cfg.num_layers)
     spec = StageSpec(rank, config.stages, *split[rank])
     device = stage_device(config, rank)
+    if device.type == "cuda":
+        # Triton launches on the current device and NCCL binds to it: make it this stage's GPU before
+        # any weight, kernel or communicator is created (cuda:0 is not this stage's GPU in a local group).
+        torch.cuda.set_device(device)
     model = load_stage_model(config.model, cfg, spec, max_len, device)
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
     pool_dtype = kv_dtype(config, cfg)
