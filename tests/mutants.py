@@ -762,6 +762,62 @@ MUTANTS = [
         "        run = n",
         "tests/kernels/test_cpu_linear.py",
     ),
+    (
+        "stage device auto ignores the pod's GPUs",
+        "services/pipeserve_operator/pod.py",
+        "        if _positive((resources.get(kind) or {}).get(GPU_RESOURCE, 0)):",
+        "        if False:",
+        "tests/k8s/test_stage_pod.py -k device",
+    ),
+    (
+        "CUDA stage pods get no /dev/shm",
+        "services/pipeserve_operator/pod.py",
+        '    if device == "cuda":',
+        "    if False:",
+        "tests/k8s/test_stage_pod.py -k 'shm or device'",
+    ),
+    (
+        "env schema back to name/value: the API server prunes valueFrom",
+        "services/pipeserve_operator/corev1.py",
+        '    return obj({"name": {**NAME, "minLength": 1}, "value": STR, "valueFrom": value_from}, ["name"])',
+        '    return obj({"name": {**NAME, "minLength": 1}, "value": STR}, ["name"])',
+        "tests/k8s/test_stage_pod.py -k value_from",
+    ),
+    (
+        "rendezvous deadline not derived from startupDeadlineSeconds",
+        "services/pipeserve_operator/resources.py",
+        '    args += ["--connect-timeout-s", str(spec["startupDeadlineSeconds"])]',
+        "    pass",
+        "tests/k8s/test_stage_pod.py -k connect_timeout",
+    ),
+    (
+        "an env var the operator sets is accepted in spec.env (builder)",
+        "services/pipeserve_operator/pod.py",
+        '        if env.get("name") in OWNED_ENV:',
+        "        if False:",
+        "tests/k8s/test_stage_pod.py -k owns",
+    ),
+    (
+        "an env var the operator sets is accepted in spec.env (CEL at admission)",
+        "services/pipeserve_operator/crd.py",
+        "self.env.all(e, !(e.name in {cel_list(OWNED_ENV)}))",
+        "self.env.all(e, true)",
+        "tests/k8s/test_crd_cel.py",
+    ),
+    (
+        "co-location off by default",
+        "services/pipeserve_operator/crd.py",
+        '"enum": ["preferred", "required", "none"], "default": "preferred"}',
+        '"enum": ["preferred", "required", "none"], "default": "none"}',
+        "tests/k8s/test_stage_pod.py -k colocation",
+    ),
+    (
+        "kueue gang without placement.queueName admitted",
+        "services/pipeserve_operator/crd.py",
+        '"rule": "self.gang != \'kueue\' || has(self.queueName)"',
+        '"rule": "self.gang != \'kueue\' || true"',
+        "tests/k8s/test_crd_cel.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
