@@ -154,6 +154,10 @@ def _spec_schema() -> dict[str, Any]:
 
 def _pod_fields() -> dict[str, Any]:
     """What the spec passes into every stage pod, and where the pods go (placement, rollout)."""
+    kueue_queue = {
+        "rule": "self.gang != 'kueue' || has(self.queueName)",
+        "message": "placement.queueName is required when placement.gang is kueue",
+    }
     placement = _obj(
         {
             "colocate": {**_STR, "enum": ["preferred", "required", "none"], "default": "preferred"},
@@ -161,15 +165,9 @@ def _pod_fields() -> dict[str, Any]:
             "gang": {**_STR, "enum": ["none", "volcano", "kueue"], "default": "none"},
             "queueName": {**_STR, "minLength": 1},
         },
+        None,
         default={},
-        **{
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.gang != 'kueue' || has(self.queueName)",
-                    "message": "placement.queueName is required when placement.gang is kueue",
-                }
-            ]
-        },
+        **{"x-kubernetes-validations": [kueue_queue]},
     )
     return {
         "envFrom": corev1.array(corev1.env_from_source()),

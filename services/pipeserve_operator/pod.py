@@ -56,7 +56,7 @@ def _positive(quantity: Any) -> bool:
     if isinstance(quantity, int | float):
         return quantity > 0
     match = _NUMBER.match(str(quantity).strip())
-    return bool(match) and float(match.group(1)) > 0
+    return match is not None and float(match.group(1)) > 0
 
 
 def stage_device(spec: dict[str, Any]) -> str:
