@@ -818,6 +818,20 @@ MUTANTS = [
         '"rule": "self.gang != \'kueue\' || true"',
         "tests/k8s/test_crd_cel.py",
     ),
+    (
+        "NCCL chosen for stages that share one GPU",
+        "services/pipeserve/ring/group.py",
+        '    return "nccl" if gpus and all(gpus) and len(set(gpus)) == len(gpus) else "gloo"',
+        '    return "nccl" if gpus and all(gpus) else "gloo"',
+        "tests/ring/test_data_backend.py",
+    ),
+    (
+        "device cuda without a visible GPU crashes instead of a configuration error",
+        "services/pipeserve/ring/worker.py",
+        '    if config.device.startswith("cuda") and not torch.cuda.is_available():',
+        "    if False:",
+        "tests/ring/test_data_backend.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -1,10 +1,17 @@
-"""Which backend carries a group's activations: NCCL only when every stage has a GPU of its own."""
+"""Which backend carries a group's activations (NCCL only when every stage has a GPU of its own), and
+the stage's device."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.errors import ConfigError
 from pipeserve.ring.group import data_backend
+from pipeserve.ring.worker import stage_device
 
 
 @pytest.mark.parametrize(
@@ -21,3 +28,10 @@ from pipeserve.ring.group import data_backend
 )
 def test_data_backend(gpus: list[str], backend: str) -> None:
     assert data_backend(gpus) == backend
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_cuda_without_a_visible_gpu_is_a_configuration_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="device: cuda but this process sees no CUDA device"):
+        stage_device(EngineConfig(model=str(tmp_path), device="cuda"), 1)
+    assert stage_device(EngineConfig(model=str(tmp_path)), 1) == torch.device("cpu")

@@ -63,6 +63,10 @@ def layer_split(config: EngineConfig, num_layers: int) -> list[tuple[int, int]]:
 
 
 def stage_device(config: EngineConfig, rank: int) -> torch.device:
+    """The stage's device: `cuda` is the rank's GPU among those visible (a pod sees its own one)."""
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        # A configuration error (exit status 2: the operator marks the group Failed), not a crash loop.
+        raise ConfigError(f"device: {config.device} but this process sees no CUDA device")
     if config.device == "cuda":
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(config.device)
