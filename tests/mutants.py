@@ -832,6 +832,13 @@ MUTANTS = [
         "    if False:",
         "tests/ring/test_data_backend.py",
     ),
+    (
+        "pod-level lists unbounded: the API server cannot bound the CEL rules' cost",
+        "services/pipeserve_operator/corev1.py",
+        '    return {"type": "array", "items": items, "maxItems": MAX_ITEMS, **extra}',
+        '    return {"type": "array", "items": items, **extra}',
+        "tests/k8s/test_crd_cel.py -k bounded",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

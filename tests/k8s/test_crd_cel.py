@@ -9,6 +9,7 @@ must reach its rule (the node it sits on exists), and where the builders re-chec
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -137,7 +138,7 @@ def _key(rule: dict[str, str]) -> str:
 
 
 def _check(path: tuple[str, ...], rule: dict[str, str], spec: dict) -> bool:
-    """The rule's verdict on the admitted spec; None when the node it sits on is absent (not run)."""
+    """The rule's verdict on the admitted spec (whose node the rule sits on must exist)."""
     assert "[]" not in path and "{}" not in path, "rules under list items or map values: extend node()"
     value = node(admitted(cr(**spec))["spec"], path)
     assert value is not None, f"the example does not reach the rule at {'.'.join(path) or 'spec'}: {spec}"
@@ -163,3 +164,23 @@ def test_rule_accepts_the_good_and_refuses_the_bad(path: tuple[str, ...], rule: 
         if builder:
             with pytest.raises(SpecError):
                 stage_statefulset(admitted(cr(**spec)), 0, 1)
+
+
+def test_what_a_rule_iterates_is_bounded() -> None:
+    """The API server estimates each rule's worst-case cost from the schema and refuses a CRD whose
+    rule it cannot bound: every list or map a rule iterates has maxItems / maxProperties, and every
+    string field of an item it compares has a maxLength."""
+    iterated = 0
+    for path, rule in RULES:
+        schema = schema_at(spec_schema(), path)
+        for field, var, body in re.findall(
+            r"self\.(\w+)\.(?:all|exists)\((\w+), (.*?)\)\)?(?: \|\||$)", rule["rule"]
+        ):
+            sub = schema["properties"][field]
+            assert sub.get("maxItems") or sub.get("maxProperties"), (field, rule["rule"])
+            iterated += 1
+            if sub["type"] == "object":  # a map: the rule's variable is a key
+                continue
+            for prop in set(re.findall(rf"\b{var}\.(\w+)", body)):
+                assert sub["items"]["properties"][prop].get("maxLength"), (field, prop)
+    assert iterated >= 6
