@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 import pytest
+from chart_support import k8s_tools
 from crd_support import admitted, cel_rules, evaluate, node, schema_at
 
 from pipeserve_operator.crd import spec_schema
@@ -184,3 +185,24 @@ def test_what_a_rule_iterates_is_bounded() -> None:
             for prop in set(re.findall(rf"\b{var}\.(\w+)", body)):
                 assert sub["items"]["properties"][prop].get("maxLength"), (field, prop)
     assert iterated >= 6
+
+
+def test_the_charts_example_pipeline_passes_every_rule() -> None:
+    """The example InferencePipeline `helm install --set example.enabled=true` creates (GPU or not)."""
+    gpu = [
+        "--set",
+        "example.resources.limits.nvidia\\.com/gpu=1",
+        "--set",
+        "example.model.persistentVolumeClaim=m",
+    ]
+    for extra in ([], gpu):
+        objects = k8s_tools().objects("--set", "example.enabled=true", *extra)
+        (example,) = [o for o in objects if o["kind"] == "InferencePipeline"]
+        spec = admitted(example)["spec"]
+        for path, rule in RULES:
+            value = node(spec, path)
+            if value is not None:
+                assert evaluate(rule["rule"], value, schema_at(spec_schema(), path)), rule
+        sts = stage_statefulset({**admitted(example), "metadata": {**example["metadata"], "uid": "u"}}, 0, 1)
+        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--device") + 1] == ("cuda" if extra else "cpu")
