@@ -3,6 +3,7 @@
     stage_statefulset(pipeline, index, generation) -> StatefulSet    stage_service(pipeline, index) -> Service
     group_network_policy(pipeline, index) -> NetworkPolicy (with `pipeserve-operator --network-policies`)
     group_endpoint(pipeline, index) -> "P-g<i>-0.P-g<i>.NS.svc:50051"
+    pod_group_name(pipeline, index) -> "P-g<i>" (group i's gang: Volcano PodGroup, Kueue pod group)
 
 Contract (shared with the chart, the router discovery and the images; see docs/kubernetes.md):
 * group i of pipeline P is a StatefulSet and a headless Service both named `P-g<i>`; the StatefulSet
@@ -13,6 +14,9 @@ Contract (shared with the chart, the router discovery and the images; see docs/k
 * every engine flag is checked against the real `pipeserve stage` parser: an unknown flag, a flag the
   operator sets itself, or a value of the wrong shape raises `SpecError` (the operator reports it in
   status and does not retry until the spec changes).
+* the stage command carries `--device` (spec.device; auto: cuda when the resources ask for nvidia.com/gpu)
+  and `--connect-timeout-s` = startupDeadlineSeconds; the pod's /dev/shm, pass-through fields and
+  placement are `pod.py`'s, the names the spec may not set `owned.py`'s.
 Defaults: callers pass `spec` through `crd.with_defaults` first; the builders apply them again anyway.
 """
 
