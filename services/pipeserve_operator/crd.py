@@ -220,7 +220,7 @@ def _owned_name_rules() -> list[dict[str, str]]:
             "message": f"podAnnotations: keys under {OWNED_LABEL_PREFIX} and gang schedulers' are refused",
         },
         {
-            "rule": "self.placement.gang != 'volcano' || !has(self.schedulerName) "
+            "rule": "!has(self.placement) || self.placement.gang != 'volcano' || !has(self.schedulerName) "
             "|| self.schedulerName == 'volcano'",
             "message": "schedulerName: placement.gang volcano schedules with volcano",
         },
