@@ -24,6 +24,11 @@ COPY kernels kernels
 RUN python3.11 -m venv /opt/venv && /opt/venv/bin/pip install -c constraints.txt .
 
 FROM python
+# Triton compiles its CUDA launcher (a small C extension) the first time a kernel runs, in the pod:
+# it needs a C compiler, the C library headers and Python.h of the interpreter that runs it.
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends gcc libc6-dev python3.11-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 pipeserve \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pipeserve
 COPY --from=builder /opt/venv /opt/venv

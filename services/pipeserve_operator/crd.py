@@ -16,6 +16,18 @@ import copy
 import sys
 from typing import Any
 
+from pipeserve_operator import corev1
+from pipeserve_operator.owned import (
+    OWNED_ANNOTATIONS,
+    OWNED_ENV,
+    OWNED_LABEL_PREFIX,
+    OWNED_LABELS,
+    OWNED_MOUNT_PATHS,
+    OWNED_VOLUMES,
+    RESERVED_FLAGS,
+    cel_list,
+)
+
 GROUP, VERSION, PLURAL, KIND = "pipeserve.io", "v1alpha1", "inferencepipelines", "InferencePipeline"
 
 _STR = {"type": "string"}
@@ -66,7 +78,6 @@ def _spec_schema() -> dict[str, Any]:
         },
     )
     resources = _obj({"requests": _ANY_OBJECT, "limits": _ANY_OBJECT})
-    env_var = _obj({"name": {**_STR, "minLength": 1}, "value": _STR}, ["name"])
     return _obj(
         {
             "model": model,
@@ -84,6 +95,18 @@ def _spec_schema() -> dict[str, Any]:
                 "type": "object",
                 "description": "engine flags without leading dashes: a value, or true for a bare flag",
                 "additionalProperties": {"x-kubernetes-preserve-unknown-fields": True},
+                "maxProperties": corev1.MAX_ITEMS,
+            },
+            "device": {
+                **_STR,
+                "enum": ["auto", "cpu", "cuda"],
+                "default": "auto",
+                "description": "auto: cuda when resources ask for nvidia.com/gpu, else cpu",
+            },
+            "shmSizeLimit": {
+                **corev1.QUANTITY,
+                "default": "1Gi",
+                "description": "size of the memory-backed /dev/shm of CUDA stage pods (NCCL)",
             },
             "hicache": hicache,
             "router": _obj(
@@ -108,8 +131,9 @@ def _spec_schema() -> dict[str, Any]:
             "nodeSelector": {"type": "object", "additionalProperties": _STR},
             "tolerations": {"type": "array", "items": _ANY_OBJECT},
             "affinity": _ANY_OBJECT,
-            "env": {"type": "array", "items": env_var},
+            "env": corev1.array(corev1.env_var()),
             "nccl": _obj({"socketIfname": _STR, "debug": _STR}),
+            **_pod_fields(),
         },
         ["model", "image"],
         **{
@@ -122,9 +146,85 @@ def _spec_schema() -> dict[str, Any]:
                     "rule": "self.restartBackoffMaxSeconds >= self.restartBackoffSeconds",
                     "message": "restartBackoffMaxSeconds must be >= restartBackoffSeconds",
                 },
+                *_owned_name_rules(),
             ]
         },
     )
+
+
+def _pod_fields() -> dict[str, Any]:
+    """What the spec passes into every stage pod, and where the pods go (placement, rollout)."""
+    kueue_queue = {
+        "rule": "self.gang != 'kueue' || has(self.queueName)",
+        "message": "placement.queueName is required when placement.gang is kueue",
+    }
+    placement = _obj(
+        {
+            "colocate": {**_STR, "enum": ["preferred", "required", "none"], "default": "preferred"},
+            "topologyKey": {**_STR, "minLength": 1, "default": "kubernetes.io/hostname"},
+            "gang": {**_STR, "enum": ["none", "volcano", "kueue"], "default": "none"},
+            "queueName": {**_STR, "minLength": 1},
+        },
+        None,
+        default={},
+        **{"x-kubernetes-validations": [kueue_queue]},
+    )
+    return {
+        "envFrom": corev1.array(corev1.env_from_source()),
+        "volumes": corev1.array(corev1.volume()),
+        "volumeMounts": corev1.array(corev1.volume_mount()),
+        "podLabels": corev1.string_map(),
+        "podAnnotations": corev1.string_map(),
+        "imagePullSecrets": corev1.array(corev1.local_object_reference()),
+        "serviceAccountName": _STR,
+        "priorityClassName": _STR,
+        "runtimeClassName": _STR,
+        "schedulerName": _STR,
+        "topologySpreadConstraints": corev1.array(corev1.topology_spread_constraint()),
+        "placement": placement,
+        "rollout": _obj({"maxSurge": {**_INT, "minimum": 0, "maximum": 1}}),
+    }
+
+
+def _owned_name_rules() -> list[dict[str, str]]:
+    """CEL: a name the operator sets on the stage pod is refused at admission (see owned.py)."""
+    label_keys = f"!k.startsWith('{OWNED_LABEL_PREFIX}') && !(k in {cel_list(OWNED_LABELS)})"
+    annotation_keys = f"!k.startsWith('{OWNED_LABEL_PREFIX}') && !(k in {cel_list(OWNED_ANNOTATIONS)})"
+    model_mounted = "(has(self.model.persistentVolumeClaim) || has(self.model.hostPath))"
+    return [
+        {
+            "rule": f"!has(self.engine) || self.engine.all(f, !(f in {cel_list(RESERVED_FLAGS)}))",
+            "message": "engine: a flag the operator sets from the spec's own fields (see docs/kubernetes.md)",
+        },
+        {
+            "rule": f"!has(self.env) || self.env.all(e, !(e.name in {cel_list(OWNED_ENV)}))",
+            "message": f"env: a name the operator sets is refused: {', '.join(OWNED_ENV)}",
+        },
+        {
+            "rule": f"!has(self.volumes) || self.volumes.all(v, !(v.name in {cel_list(OWNED_VOLUMES)}))",
+            "message": f"volumes: a name the operator uses is refused: {', '.join(OWNED_VOLUMES)}",
+        },
+        {
+            "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, "
+            f"!(m.mountPath in {cel_list(OWNED_MOUNT_PATHS)}) && !(m.name in {cel_list(OWNED_VOLUMES)}) "
+            f"&& !({model_mounted} && m.mountPath == self.model.mountPath))",
+            "message": "volumeMounts: the operator's volumes and mount paths (/tmp, /dev/shm, the model's) "
+            "are refused",
+        },
+        {
+            "rule": f"!has(self.podLabels) || self.podLabels.all(k, {label_keys})",
+            "message": f"podLabels: keys under {OWNED_LABEL_PREFIX} and the operator's labels are refused",
+        },
+        {
+            "rule": f"!has(self.podAnnotations) || self.podAnnotations.all(k, {annotation_keys})",
+            "message": f"podAnnotations: keys under {OWNED_LABEL_PREFIX} and gang schedulers' are refused",
+        },
+        {
+            "rule": "!has(self.placement) || self.placement.gang != 'volcano' || !has(self.schedulerName) "
+            "|| self.schedulerName == 'volcano'",
+            "message": "schedulerName: placement.gang volcano schedules with volcano",
+        },
+    ]
 
 
 def _status_schema() -> dict[str, Any]:

@@ -3,6 +3,7 @@
     stage_statefulset(pipeline, index, generation) -> StatefulSet    stage_service(pipeline, index) -> Service
     group_network_policy(pipeline, index) -> NetworkPolicy (with `pipeserve-operator --network-policies`)
     group_endpoint(pipeline, index) -> "P-g<i>-0.P-g<i>.NS.svc:50051"
+    pod_group_name(pipeline, index) -> "P-g<i>" (group i's gang: Volcano PodGroup, Kueue pod group)
 
 Contract (shared with the chart, the router discovery and the images; see docs/kubernetes.md):
 * group i of pipeline P is a StatefulSet and a headless Service both named `P-g<i>`; the StatefulSet
@@ -13,6 +14,9 @@ Contract (shared with the chart, the router discovery and the images; see docs/k
 * every engine flag is checked against the real `pipeserve stage` parser: an unknown flag, a flag the
   operator sets itself, or a value of the wrong shape raises `SpecError` (the operator reports it in
   status and does not retry until the spec changes).
+* the stage command carries `--device` (spec.device; auto: cuda when the resources ask for nvidia.com/gpu)
+  and `--connect-timeout-s` = startupDeadlineSeconds; the pod's /dev/shm, pass-through fields and
+  placement are `pod.py`'s, the names the spec may not set `owned.py`'s.
 Defaults: callers pass `spec` through `crd.with_defaults` first; the builders apply them again anyway.
 """
 
@@ -25,25 +29,25 @@ import io
 import math
 from typing import Any
 
+from pipeserve_operator import pod
 from pipeserve_operator.crd import GROUP, KIND, VERSION, with_defaults
+from pipeserve_operator.owned import RESERVED_FLAGS as RESERVED_FLAGS
+from pipeserve_operator.owned import SpecError as SpecError
 
 GRPC_PORT, HEALTH_PORT, RENDEZVOUS_PORT = 50051, 8080, 29500
 PIPELINE_LABEL, GROUP_LABEL = "pipeserve.io/pipeline", "pipeserve.io/group"
 GENERATION_LABEL, POD_INDEX_LABEL = "pipeserve.io/group-generation", "apps.kubernetes.io/pod-index"
-# Flags the operator derives from the spec's own fields: setting them through `engine` would contradict it.
-RESERVED_FLAGS = frozenset(
-    {"model", "rank", "world-size", "master-addr", "master-port", "rendezvous-file", "host", "health-port"}
-    | {"grpc-port", "wedge-timeout", "wedge-timeout-s", "layer-split", "host-cache-gb", "hicache-url"}
-)
 STARTUP_PERIOD_S = 10
-
-
-class SpecError(ValueError):
-    """The spec cannot be turned into runnable pods (retrying without a spec change will not help)."""
 
 
 def group_name(pipeline: dict, index: int) -> str:
     return f"{pipeline['metadata']['name']}-g{index}"
+
+
+def pod_group_name(pipeline: dict, index: int) -> str:
+    """The gang of group `index`: Volcano's PodGroup name (annotation scheduling.k8s.io/group-name on
+    every pod) and Kueue's pod group (label kueue.x-k8s.io/pod-group-name)."""
+    return group_name(pipeline, index)
 
 
 def group_endpoint(pipeline: dict, index: int) -> str:
@@ -178,6 +182,10 @@ def stage_args(spec: dict[str, Any]) -> list[str]:
     args = ["--model", spec["model"]["path"], "--world-size", str(spec["stages"])]
     args += ["--host", "0.0.0.0", "--health-port", str(HEALTH_PORT), "--grpc-port", str(GRPC_PORT)]
     args += ["--wedge-timeout-s", str(spec["wedgeTimeoutSeconds"])]
+    args += ["--device", pod.stage_device(spec)]
+    # The group may wait for its slowest pod as long as the operator waits for it: a shorter rendezvous
+    # deadline would make the ranks that started exit while rank 0 is still Pending (a restart loop).
+    args += ["--connect-timeout-s", str(spec["startupDeadlineSeconds"])]
     if spec["model"].get("servedModelName") and "served-model-name" not in spec.get("engine", {}):
         args += ["--served-model-name", spec["model"]["servedModelName"]]
     if spec.get("layerSplit"):
@@ -237,25 +245,12 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
-    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    model = spec["model"]
-    if model.get("persistentVolumeClaim"):
-        pvc = {"claimName": model["persistentVolumeClaim"], "readOnly": True}
-        volumes.append({"name": "model", "persistentVolumeClaim": pvc})
-    elif model.get("hostPath"):
-        volumes.append({"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}})
-    if len(volumes) > 1:
-        mounts.append({"name": "model", "mountPath": model["mountPath"], "readOnly": True})
-    return volumes, mounts
-
-
 def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, Any]:
     spec = with_defaults(pipeline["spec"])
     if spec["model"].get("persistentVolumeClaim") and spec["model"].get("hostPath"):
         raise SpecError("model.persistentVolumeClaim and model.hostPath are mutually exclusive")
-    volumes, mounts = _volumes(spec)
+    pod.check_owned_names(spec)
+    volumes, mounts = pod.pod_volumes(spec, pod.stage_device(spec))
     container = {
         "name": "stage",
         "image": spec["image"],
@@ -263,6 +258,7 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
         "command": ["pipeserve", "stage"],
         "args": stage_args(spec),
         "env": _env(pipeline, index, spec),
+        **({"envFrom": [dict(e) for e in spec["envFrom"]]} if spec.get("envFrom") else {}),
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT},
             {"name": "health", "containerPort": HEALTH_PORT},
@@ -295,9 +291,26 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
-    for key in ("nodeSelector", "tolerations", "affinity"):
-        if spec.get(key):
-            pod_spec[key] = spec[key]
+    pod.customize(pod_spec, spec)
+    affinity = pod.pod_affinity(spec, group_selector(pipeline, index))
+    if affinity:
+        pod_spec["affinity"] = affinity
+    gang_labels, annotations, scheduler = pod.gang_metadata(
+        spec, pod_group_name(pipeline, index), spec["stages"]
+    )
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
+    template_meta: dict[str, Any] = {
+        "labels": {
+            **(spec.get("podLabels") or {}),
+            **gang_labels,
+            **labels,
+            GENERATION_LABEL: str(generation),
+        }
+    }
+    annotations = {**(spec.get("podAnnotations") or {}), **annotations}
+    if annotations:
+        template_meta["annotations"] = annotations
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -309,7 +322,7 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": group_selector(pipeline, index)},
             "template": {
-                "metadata": {"labels": {**labels, GENERATION_LABEL: str(generation)}},
+                "metadata": template_meta,
                 "spec": pod_spec,
             },
         },

@@ -6,6 +6,8 @@ CEL rules are checked by the API server only: the same rules are re-checked here
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -133,3 +135,80 @@ def test_engine_flags_are_checked_against_the_stage_parser(engine: dict, error: 
 def test_engine_flags_map_to_arguments() -> None:
     args = engine_args({"max-num-seqs": 16, "dtype": "float32", "enable-prefix-caching": False})
     assert args == ["--max-num-seqs", "16", "--dtype", "float32", "--no-enable-prefix-caching"]
+
+
+def _definitions() -> dict:
+    root = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / f"v{K8S}.0-local"
+    return json.loads((root / "_definitions.json").read_text())["$defs"]
+
+
+def _types(schema: dict) -> set[str]:
+    kind = schema.get("type", [])
+    return {kind} if isinstance(kind, str) else set(kind) - {"null"}
+
+
+def _covers(mine: dict, ref: str, defs: dict, path: str) -> int:
+    """Every field of the 1.35 definition `ref` is declared in `mine`, with its type and required list,
+    recursively; returns how many fields were compared."""
+    theirs = defs[ref.rsplit("/", 1)[-1]]
+    assert set(mine.get("required", [])) == set(theirs.get("required", [])), path
+    compared = 0
+    for name, sub in theirs["properties"].items():
+        assert name in mine["properties"], f"{path}.{name} is not declared: the API server would prune it"
+        own = mine["properties"][name]
+        target = sub.get("$ref") or (sub.get("items") or {}).get("$ref")
+        if target and target.endswith("Quantity"):
+            assert own.get("x-kubernetes-int-or-string") is True, f"{path}.{name}"
+        elif target:
+            compared += _covers(own["items"] if "items" in sub else own, target, defs, f"{path}.{name}")
+        else:
+            assert _types(own) == _types(sub), f"{path}.{name}: {own} vs {sub}"
+        compared += 1
+    return compared
+
+
+@pytest.mark.parametrize(
+    "field, definition",
+    [
+        ("env", "EnvVar"),
+        ("envFrom", "EnvFromSource"),
+        ("volumeMounts", "VolumeMount"),
+        ("imagePullSecrets", "LocalObjectReference"),
+        ("topologySpreadConstraints", "TopologySpreadConstraint"),
+    ],
+)
+def test_pod_fields_declare_the_whole_core_v1_type(field: str, definition: str) -> None:
+    """The API server prunes what the schema does not declare: each list's items declare every field
+    of the Kubernetes type they stand for (env's valueFrom, and every source of it, included)."""
+    mine = spec_schema()["properties"][field]
+    assert mine["type"] == "array" and "x-kubernetes-preserve-unknown-fields" not in mine["items"]
+    assert _covers(mine["items"], f"io.k8s.api.core.v1.{definition}", _definitions(), field) >= 1
+
+
+def test_volumes_keep_their_source() -> None:
+    """A Volume's source is too large to restate: its items keep unknown fields and require a name."""
+    items = spec_schema()["properties"]["volumes"]["items"]
+    assert items["x-kubernetes-preserve-unknown-fields"] is True and items["required"] == ["name"]
+
+
+def test_pod_and_placement_defaults() -> None:
+    spec = with_defaults({"model": {"path": "/m"}, "image": "i"})
+    assert spec["device"] == "auto" and spec["shmSizeLimit"] == "1Gi"
+    assert spec["placement"] == {
+        "colocate": "preferred",
+        "topologyKey": "kubernetes.io/hostname",
+        "gang": "none",
+    }
+    assert "rollout" not in spec
+    rollout = spec_schema()["properties"]["rollout"]["properties"]["maxSurge"]
+    assert (rollout["type"], rollout["minimum"], rollout["maximum"]) == ("integer", 0, 1)
+    for bad in (
+        {"device": "tpu"},
+        {"rollout": {"maxSurge": 2}},
+        {"placement": {"gang": "slurm"}},
+        {"shmSizeLimit": "lots"},
+    ):
+        body = copy.deepcopy(EXAMPLE)
+        body["spec"].update(bad)
+        with pytest.raises(jsonschema.ValidationError):
+            schema_validator().validate(body)

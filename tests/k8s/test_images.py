@@ -84,6 +84,30 @@ def test_dockerfile_rules(path: Path) -> None:
     assert not [w for w, _ in final if w == "CMD"]
 
 
+def test_the_cuda_stage_image_can_build_tritons_launcher() -> None:
+    """Triton compiles its launcher with the system C compiler at the first kernel launch, in the pod:
+    the runtime stage of the CUDA image installs gcc, libc headers and Python.h of its own Python."""
+    ins = instructions(ROOT / "docker" / "stage.Dockerfile")
+    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM") :]
+    installed = set()
+    for word, rest in final:
+        if word == "RUN" and "apt-get install" in rest:
+            installed |= set(rest.split("apt-get install", 1)[1].split("&&")[0].split())
+    pythons = {m for _, rest in ins for m in re.findall(r"python3\.\d+(?=\s|$)", rest)}
+    assert len(pythons) == 1, pythons  # the one interpreter the venv is made with
+    for package in ("gcc", "libc6-dev", f"{pythons.pop()}-dev"):
+        assert package in installed, f"the runtime stage does not install {package}: {sorted(installed)}"
+
+
+def test_the_stage_command_sets_device_and_rendezvous_deadline() -> None:
+    gpu = _demo_pipeline()
+    gpu["spec"]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    for body, device in ((_demo_pipeline(), "cpu"), (gpu, "cuda")):
+        (c,) = stage_statefulset(body, 0, 1)["spec"]["template"]["spec"]["containers"]
+        ns = build_parser().parse_args([*c["command"][1:], *c["args"]])
+        assert (ns.device, ns.connect_timeout_s) == (device, 900)
+
+
 def _demo_pipeline() -> dict:
     """A pipeline that exercises every field the operator turns into a stage argument."""
     s = {

@@ -95,15 +95,20 @@ def join(rdzv: Rendezvous, timeout_s: float) -> tuple[CommGroup, dist.Store]:
     return cast(CommGroup, meta), store
 
 
+def data_backend(gpus: list[str]) -> str:
+    """'nccl' when every stage has a GPU of its own, else 'gloo' (activations via host memory).
+
+    gpus: each stage's GPU UUID ('' on CPU). NCCL cannot pair two ranks on one
+    GPU, which is what stages sharing a machine's only GPU would be; a CPU stage has no NCCL at all.
+    """
+    return "nccl" if gpus and all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
+
+
 def activation_group(
     rdzv: Rendezvous, store: dist.Store, meta: CommGroup, gpus: list[str], timeout_s: float
 ) -> CommGroup:
-    """NCCL when every stage has a GPU of its own, else the gloo group (activations via host memory).
-
-    gpus: each stage's GPU UUID ('' on CPU). NCCL cannot pair two ranks on one
-    GPU, which is what stages sharing a machine's only GPU would be.
-    """
-    if not all(gpus) or len(set(gpus)) < len(gpus):
+    """The NCCL group when `data_backend(gpus)` says so, else the gloo group itself."""
+    if data_backend(gpus) == "gloo":
         return meta
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)

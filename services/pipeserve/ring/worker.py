@@ -63,6 +63,10 @@ def layer_split(config: EngineConfig, num_layers: int) -> list[tuple[int, int]]:
 
 
 def stage_device(config: EngineConfig, rank: int) -> torch.device:
+    """The stage's device: `cuda` is the rank's GPU among those visible (a pod sees its own one)."""
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        # A configuration error (exit status 2: the operator marks the group Failed), not a crash loop.
+        raise ConfigError(f"device: {config.device} but this process sees no CUDA device")
     if config.device == "cuda":
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(config.device)
@@ -103,6 +107,10 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     split = layer_split(config, cfg.num_layers)
     spec = StageSpec(rank, config.stages, *split[rank])
     device = stage_device(config, rank)
+    if device.type == "cuda":
+        # Triton launches on the current device and NCCL binds to it: make it this stage's GPU before
+        # any weight, kernel or communicator is created (cuda:0 is not this stage's GPU in a local group).
+        torch.cuda.set_device(device)
     model = load_stage_model(config.model, cfg, spec, max_len, device)
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
     pool_dtype = kv_dtype(config, cfg)
