@@ -229,8 +229,8 @@ class Kubernetes:
                 if _name(obj) != c.pipeline:
                     continue
                 if event["type"] == "DELETED":
-                    self._note_spec(None)
                     emit({})
+                    self._note_spec(None)
                 elif event["type"] in ("ADDED", "MODIFIED"):
                     self._note_spec(obj)
                     emit(ready_targets(obj))
