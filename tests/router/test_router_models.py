@@ -170,6 +170,11 @@ def test_models_file_routes_by_model(cluster: tuple[Api, Stages], llama_dir: Pat
         chat = {"model": "model-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
         assert r.status_code == 200 and r.json()["model"] == "model-b", r.text
+        stream = {"model": "model-a", "prompt": PROMPT, "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=stream, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]", events
+        assert all('"model":"model-a"' in e.replace(" ", "") for e in events[:-1]), events
         # Unknown model: OpenAI's 404, nothing routed, the router still serves.
         n = sum(len(s.requests) for s in stages.all())
         r = complete(url, "model-c")
