@@ -9,13 +9,16 @@ groups, scripted stage 0s over real gRPC whose replies say which pipeline answer
   prompt always lands on one group) and followed live when the CR changes; an entry's own policy
   (round_robin) wins over its pipeline's;
 * single-model mode (`--pipeline`) applies the pipeline's policy too, unless --policy names one;
-* a bad --models file exits 2 naming the entry and field.
+* a bad --models file exits 2 naming the entry and field;
+* (slow) live: a llama and a qwen2 demo group, each its own InferencePipeline, behind one router:
+  each model's greedy ids equal transformers' for its own checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -27,9 +30,10 @@ import httpx
 import pytest
 import yaml
 
+from conftest import hf_greedy
 from pipeserve.care.launcher import free_port
 from router_support import ScriptedStage
-from serving_support import metric, wait_http, wait_until
+from serving_support import live_group, metric, wait_http, wait_until
 
 NS = "serving"
 BASE = f"/apis/pipeserve.io/v1alpha1/namespaces/{NS}/inferencepipelines"
@@ -248,3 +252,27 @@ def test_models_replaces_the_single_model_flags(llama_dir: Path, tmp_path: Path)
     argv += ["--models", str(tmp_path / "m.yaml"), "--pipeline", "a"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--models replaces --pipeline" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_two_live_pipelines_behind_one_router(llama_dir: Path, qwen2_dir: Path, tmp_path: Path) -> None:
+    dirs = {"alpha": llama_dir, "beta": qwen2_dir}
+    want = {name: hf_greedy(d, PROMPT, 6) for name, d in dirs.items()}
+    assert want["alpha"] != want["beta"]  # else routing by model would prove nothing
+    models = [{"name": n, "model": f"m-{n}", "tokenizer": str(d)} for n, d in dirs.items()]
+    (tmp_path / "models.json").write_text(json.dumps(models))  # JSON is YAML too
+    with contextlib.ExitStack() as stack:
+        api = stack.enter_context(Api())
+        for name, d in dirs.items():
+            slot = stack.enter_context(live_group(d, 1, tmp_path / name))
+            api.pipeline(name, [slot.grpc_target], None)
+        argv = _router_argv(api, free_port(), "--models", str(tmp_path / "models.json"))
+        url = stack.enter_context(router(argv, tmp_path / "router.log"))
+        wait_until(
+            lambda: httpx.get(url + "/health").json()["ready_groups"] == {"m-alpha": 1, "m-beta": 1}, 60
+        )
+        for name in dirs:
+            body = {"model": f"m-{name}", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+            r = httpx.post(url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == want[name], name
