@@ -217,6 +217,36 @@ def test_single_model_applies_the_pipelines_policy(
         assert 0 not in _spread(url, stages, "beta", "x")
 
 
+def test_static_models_file(cluster: tuple[Api, Stages], llama_dir: Path, tmp_path: Path) -> None:
+    """--discover static: each entry names its stage 0 addresses (`upstream`) instead of a pipeline."""
+    _, stages = cluster
+    models = [
+        {"model": f"s-{p}", "tokenizer": str(llama_dir), "upstream": ",".join(s.target for s in group)}
+        for p, group in stages.by_pipeline.items()
+    ]
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(models))
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeserve.cli",
+        "router",
+        "--port",
+        str(port),
+        "--models",
+        str(tmp_path / "m.yaml"),
+    ]
+    with router([*argv, "--health-interval-s", "0.2"], tmp_path / "router.log") as url:
+        wait_until(
+            lambda: httpx.get(url + "/health").json()["ready_groups"] == {"s-alpha": 2, "s-beta": 2}, 30
+        )
+        for p in REPLY:
+            assert complete(url, f"s-{p}").json()["choices"][0]["token_ids"] == REPLY[p]
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump([{**models[0], "name": "alpha"}]))
+    r = subprocess.run([*argv, "--discover", "static"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "models[0].name: is for --discover kubernetes only" in r.stderr, r.stderr
+
+
 BAD_FILES = {
     "not a list": ({"model": "m"}, "models: must be a non-empty list"),
     "unknown key": ([{"name": "a", "model": "m", "tokenizer": "T", "colour": "x"}], "models[0].colour"),

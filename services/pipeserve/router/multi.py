@@ -12,6 +12,7 @@ front of them:
 * GET /v1/models: every model's card, in the file's order. GET /health: 200 while at least one model
   has a ready group, with the ready groups per model; else 503. GET /metrics: every model's metrics
   in one exposition, each sample labelled `model_name` (the served name, as vLLM labels its own).
+* GET /v1/models/<id> (where an app serves it) goes to the model <id>'s app.
 * Anything else (GET /health_generate, /openapi.json, ...) is the first model's.
 Shutdown: `end_streams` ends every model's open streams (http_guard.RouterServer calls it).
 """
@@ -102,7 +103,10 @@ class ModelRouter:
         elif method == "GET" and path == "/metrics":
             response = Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
         else:
-            return await default(scope, receive, send)
+            owner = (
+                self.by_name.get(path.removeprefix("/v1/models/")) if path.startswith("/v1/models/") else None
+            )
+            return await (owner.app if owner else default)(scope, receive, send)
         await response(scope, receive, send)
 
     # --- routing by model ----------------------------------------------------------------
