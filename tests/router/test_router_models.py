@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -121,9 +122,10 @@ def _router_argv(api: Api, port: int, *args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def router(argv: list[str], log: Path) -> Iterator[str]:
+def router(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     port = int(argv[argv.index("--port") + 1])
-    proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", 60, alive=lambda: proc.poll())
@@ -236,12 +238,26 @@ def test_static_models_file(cluster: tuple[Api, Stages], llama_dir: Path, tmp_pa
         "--models",
         str(tmp_path / "m.yaml"),
     ]
-    with router([*argv, "--health-interval-s", "0.2"], tmp_path / "router.log") as url:
+    key = {"PIPESERVE_API_KEY": "sekret"}
+    auth = {"Authorization": "Bearer sekret"}
+    with router([*argv, "--health-interval-s", "0.2"], tmp_path / "router.log", key) as url:
         wait_until(
             lambda: httpx.get(url + "/health").json()["ready_groups"] == {"s-alpha": 2, "s-beta": 2}, 30
         )
+        body = {"model": "s-alpha", "prompt": PROMPT, "max_tokens": 3, "return_token_ids": True}
         for p in REPLY:
-            assert complete(url, f"s-{p}").json()["choices"][0]["token_ids"] == REPLY[p]
+            r = httpx.post(url + "/v1/completions", json={**body, "model": f"s-{p}"}, headers=auth)
+            assert r.json()["choices"][0]["token_ids"] == REPLY[p], r.text
+        # The API key first: without it every model, known or not, and the listing are 401.
+        for model in ("s-alpha", "nope"):
+            r = httpx.post(url + "/v1/completions", json={**body, "model": model})
+            assert r.status_code == 401, r.text
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert (
+            httpx.post(url + "/v1/completions", json={**body, "model": "nope"}, headers=auth).status_code
+            == 404
+        )
+        assert len(httpx.get(url + "/v1/models", headers=auth).json()["data"]) == 2
     (tmp_path / "m.yaml").write_text(yaml.safe_dump([{**models[0], "name": "alpha"}]))
     r = subprocess.run([*argv, "--discover", "static"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "models[0].name: is for --discover kubernetes only" in r.stderr, r.stderr
