@@ -839,6 +839,55 @@ MUTANTS = [
         '    return {"type": "array", "items": items, **extra}',
         "tests/k8s/test_crd_cel.py -k bounded",
     ),
+    (
+        "operator rendered with operator.enabled=false",
+        "charts/pipeserve/templates/operator-deployment.yaml",
+        "{{- if .Values.operator.enabled }}\n",
+        "{{- if true }}\n",
+        "tests/k8s/test_chart_values.py -k operator_disabled",
+    ),
+    (
+        "redis.internal.auth.existingSecret ignored: a lookup-generated password",
+        "charts/pipeserve/templates/redis.yaml",
+        "{{- if $in.auth.existingSecret }}\n{{- $passwordKey = $in.auth.passwordKey }}",
+        "{{- if false }}\n{{- $passwordKey = $in.auth.passwordKey }}",
+        "tests/k8s/test_chart_values.py -k existing_secret",
+    ),
+    (
+        "router preStop sleep missing",
+        "charts/pipeserve/templates/router-deployment.yaml",
+        "          {{- if $r.preStopSleepSeconds }}\n",
+        "          {{- if false }}\n",
+        "tests/k8s/test_chart_values.py -k shutdown",
+    ),
+    (
+        "router readiness fails on one slow answer",
+        "charts/pipeserve/templates/router-deployment.yaml",
+        "            failureThreshold: 3\n",
+        "            failureThreshold: 1\n",
+        "tests/k8s/test_chart_values.py -k shutdown",
+    ),
+    (
+        "unknown model not a 404",
+        "services/pipeserve/router/multi.py",
+        "errors.error_response(errors.model_not_found(model))",
+        'errors.error_response(errors.invalid("model", f"unknown model {model}"))',
+        "tests/router/test_router_models.py -k routes_by_model",
+    ),
+    (
+        "the pipeline's spec.router.policy ignored",
+        "services/pipeserve/router/standalone.py",
+        "                replicas.policy = policy or replicas.config.policy",
+        "                replicas.policy = replicas.config.policy",
+        "tests/router/test_router_models.py -k policy",
+    ),
+    (
+        "networkPolicy.metricsFrom dropped",
+        "charts/pipeserve/templates/networkpolicy.yaml",
+        "{{- with .Values.networkPolicy.metricsFrom }}",
+        "{{- with list }}",
+        "tests/k8s/test_chart_values.py -k metrics_from",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

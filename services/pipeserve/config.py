@@ -327,6 +327,33 @@ class RouterConfig:
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")
 
 
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of `pipeserve router --models FILE` (router/models_file.py reads the file): the name
+    clients send, its tokenizer, and where its groups come from: an InferencePipeline (`pipeline`, with
+    --discover kubernetes) or host:port list (`upstream`, static). `policy` None: --policy if given,
+    else the InferencePipeline's spec.router.policy, else round_robin."""
+
+    model: str  # the served name: a request's `model`, an entry of /v1/models
+    tokenizer: str  # directory with the tokenizer files
+    pipeline: str = ""  # kubernetes: the InferencePipeline's name
+    upstream: str | None = None  # static: host:port[,host:port...]
+    chat_template: str | None = None
+    policy: str | None = None
+
+    def __post_init__(self) -> None:
+        need = _checker(self)
+        need(bool(self.model) and self.model == self.model.strip(), "model", "must be a non-empty name")
+        need(Path(self.tokenizer).is_dir(), "tokenizer", "must be a directory with the tokenizer files")
+        need(
+            not self.pipeline or bool(re.fullmatch(_K8S_NAME, self.pipeline)),
+            "pipeline",
+            "must be an InferencePipeline name",
+        )
+        need(self.chat_template is None or bool(self.chat_template), "chat_template", "must not be empty")
+        need(self.policy is None or self.policy in POLICIES, "policy", f"must be one of {POLICIES}")
+
+
 DISCOVERY_KINDS = ("static", "kubernetes")
 _K8S_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # RFC 1123 label: a namespace or an object name
 

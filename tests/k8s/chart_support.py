@@ -16,6 +16,7 @@ import functools
 import http.server
 import json
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,18 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pipeserve"
-TOOLS = ROOT / ".tools" / "bin"
+
+
+def _tools_dir() -> Path:
+    """This checkout's .tools/bin, else the one beside the venv running the tests (tests/mutants.py runs
+    them in a copy of the tree, which has no .tools)."""
+    for root in (ROOT, Path(sys.executable).parents[2]):
+        if (root / ".tools" / "bin" / "helm").exists():
+            return root / ".tools" / "bin"
+    return ROOT / ".tools" / "bin"
+
+
+TOOLS = _tools_dir()
 
 
 class Tools:

@@ -68,6 +68,26 @@ CASES = {
         *("--set", "router.policy=prefix_affinity", "--set", "router.apiKey.existingSecret=keys"),
         *("--set", "imagePullSecrets[0].name=regcred", "--set", "networkPolicy.enabled=false"),
     ],
+    # tests/k8s/test_chart_values.py checks what each of these renders.
+    "operator-off": [*EXAMPLE, "--set", "operator.enabled=false"],
+    "operator-args": ["--set", "operator.drainSeconds=45", "--set", "operator.extraArgs={--log-format,json}"],
+    "pipelines": [
+        *("--set", "router.pipelines[0].name=a", "--set", "router.pipelines[0].model=m-a"),
+        *("--set", "router.pipelines[0].tokenizer=/models/a", "--set", "router.pipelines[1].name=b"),
+        *("--set", "router.pipelines[1].model=m-b", "--set", "router.pipelines[1].tokenizer=/models/b"),
+        *("--set", "router.pipelines[1].policy=least_load", "--set", "router.preStopSleepSeconds=0"),
+    ],
+    "metrics-from": [
+        "--set-json",
+        'networkPolicy.metricsFrom=[{"namespaceSelector": {"matchLabels": {"name": "monitoring"}},'
+        ' "podSelector": {"matchLabels": {"app": "prometheus"}}}]',
+    ],
+    "redis-existing-secret": [*EXAMPLE, "--set", "redis.internal.auth.existingSecret=redis-auth"],
+    "keda": ["--set", "autoscaling.keda.enabled=true"],
+    "hpa": [
+        *("--set", "autoscaling.hpa.enabled=true", "--set", "autoscaling.metric=kvUsage"),
+        *("--set", "autoscaling.target=0.8", "--set", "autoscaling.hpa.selector.pipeline=demo"),
+    ],
 }
 OUR_CRS = {"InferencePipeline"}
 
@@ -113,15 +133,31 @@ def test_rendered_objects_validate(tools: Tools, case: str) -> None:
         elif obj["kind"] == "ServiceMonitor":
             assert obj["apiVersion"] == "monitoring.coreos.com/v1", where
             assert obj["spec"]["selector"]["matchLabels"] and obj["spec"]["endpoints"], where
+        elif obj["kind"] == "ScaledObject":  # KEDA's CRD, not shipped: its shape (test_chart_values.py)
+            assert obj["apiVersion"] == "keda.sh/v1alpha1", where
+            assert obj["spec"]["scaleTargetRef"]["kind"] == "InferencePipeline", where
         else:
             kubernetes_validate.validate(obj, "1.35", strict=True)
     assert ("InferencePipeline" in kinds) == ("example.enabled=true" in CASES[case])
     assert ("ServiceMonitor" in kinds) == (case == "service-monitor")
     assert ("Ingress" in kinds) == (case == "ingress")
+    assert ("ScaledObject" in kinds) == (case == "keda")
+    assert ("HorizontalPodAutoscaler" in kinds) == (case == "hpa")
 
 
 @pytest.mark.parametrize(
-    "case", ["default", "example", "gpus", "service-monitor", "watch-namespace", "volumes"]
+    "case",
+    [
+        "default",
+        "example",
+        "gpus",
+        "service-monitor",
+        "watch-namespace",
+        "volumes",
+        "pipelines",
+        "keda",
+        "hpa",
+    ],
 )
 def test_kubectl_parses_and_maps_every_object(tools: Tools, case: str, tmp_path: Path) -> None:
     objects = tools.objects(*CASES[case])
@@ -295,7 +331,7 @@ def test_rbac_is_exactly_what_is_used(tools: Tools, watch: str) -> None:
     )
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     where = ["--namespace", watch, "--lease-namespace", watch] if watch else ["--all-namespaces"]
-    assert args == [*where, "--liveness-port", "8080", "--network-policies"]
+    assert args == [*where, "--liveness-port", "8080", "--network-policies", "--drain-seconds", "30"]
 
 
 def test_network_policies(tools: Tools) -> None:

@@ -87,6 +87,8 @@ imagePullSecrets:
 {{- define "pipeserve.redisSecretName" -}}
 {{- if and (eq .Values.redis.mode "external") .Values.redis.external.existingSecret -}}
 {{- .Values.redis.external.existingSecret -}}
+{{- else if and (eq .Values.redis.mode "internal") .Values.redis.internal.auth.existingSecret -}}
+{{- .Values.redis.internal.auth.existingSecret -}}
 {{- else if ne .Values.redis.mode "none" -}}
 {{- printf "%s-redis" (include "pipeserve.fullname" .) -}}
 {{- end -}}
@@ -95,6 +97,8 @@ imagePullSecrets:
 {{- define "pipeserve.redisSecretKey" -}}
 {{- if and (eq .Values.redis.mode "external") .Values.redis.external.existingSecret -}}
 {{- .Values.redis.external.existingSecretKey -}}
+{{- else if and (eq .Values.redis.mode "internal") .Values.redis.internal.auth.existingSecret -}}
+{{- .Values.redis.internal.auth.urlKey -}}
 {{- else -}}
 url
 {{- end -}}
@@ -103,4 +107,26 @@ url
 {{/* The RBAC kind the operator gets: ClusterRole when it watches every namespace. */}}
 {{- define "pipeserve.operatorRoleKind" -}}
 {{- if .Values.operator.watchNamespace }}Role{{ else }}ClusterRole{{ end -}}
+{{- end }}
+
+{{/* The router's --models file (router/models_file.py): router.pipelines, each served name once. */}}
+{{- define "pipeserve.routerModels" -}}
+{{- $seen := dict }}
+{{- range .Values.router.pipelines }}
+{{- if hasKey $seen .model }}
+{{- fail (printf "router.pipelines: the model %q is served twice" .model) }}
+{{- end }}
+{{- $_ := set $seen .model true }}
+{{- end }}
+{{- toYaml .Values.router.pipelines }}
+{{- end }}
+
+{{/* The InferencePipeline autoscaling scales: autoscaling.pipeline, else router.pipeline. */}}
+{{- define "pipeserve.scaledPipeline" -}}
+{{- .Values.autoscaling.pipeline | default .Values.router.pipeline -}}
+{{- end }}
+
+{{/* The Prometheus name of autoscaling.metric (docs/metrics.md). */}}
+{{- define "pipeserve.scaleMetric" -}}
+{{- if eq .Values.autoscaling.metric "kvUsage" }}pipeserve:kv_cache_usage_perc{{ else }}pipeserve:num_requests_waiting{{ end -}}
 {{- end }}

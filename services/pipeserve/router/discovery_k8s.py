@@ -28,6 +28,9 @@ Contract:
 * While the API cannot be reached the last targets stand: the groups keep
   serving, still polled for Health by the ReplicaSet. One log line per change
   between failing and succeeding, never one per retry.
+* `spec.router.policy` (round_robin | least_load | prefix_affinity) is handed to `on_policy`
+  (in the loop, like the targets) when it changes, None when the CR has none or is gone: the router
+  applies it unless its own flags or --models entry name a policy.
 * Cancelling `run` stops the watch (its socket is shut down) and the thread
   exits; being a daemon thread, it can never hold the process up.
 """
@@ -41,7 +44,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pipeserve.config import DiscoveryConfig
+from pipeserve.config import POLICIES, DiscoveryConfig
 from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.router.discovery import Apply, valid_target
 
@@ -75,9 +78,21 @@ def ready_targets(obj: dict[str, Any] | None) -> dict[str, str]:
     return targets
 
 
+def pipeline_policy(obj: dict[str, Any] | None) -> str | None:
+    """The CR's spec.router.policy when it names a known policy, else None."""
+    router = ((obj or {}).get("spec") or {}).get("router") or {}
+    policy = router.get("policy") if isinstance(router, dict) else None
+    return policy if policy in POLICIES else None
+
+
 class Kubernetes:
-    def __init__(self, config: DiscoveryConfig) -> None:
+    def __init__(
+        self, config: DiscoveryConfig, on_policy: Callable[[str | None], None] | None = None
+    ) -> None:
         self.config = config
+        self.on_policy = on_policy
+        self._policy: str | None = None
+        self._publish_policy: Callable[[str | None], None] = lambda p: None
         self._stop = threading.Event()
         self._watch: Any = None  # the kubernetes.watch.Watch in progress, to stop it from the loop
         self._failing = False
@@ -91,6 +106,12 @@ class Kubernetes:
         def publish(targets: dict[str, str]) -> None:
             if not self._stop.is_set():
                 loop.call_soon_threadsafe(apply, targets)
+
+        def publish_policy(policy: str | None) -> None:
+            if self.on_policy is not None and not self._stop.is_set():
+                loop.call_soon_threadsafe(self.on_policy, policy)
+
+        self._publish_policy = publish_policy
 
         def main() -> None:
             try:
@@ -177,6 +198,7 @@ class Kubernetes:
             _request_timeout=c.request_timeout_s,
         )
         items = [o for o in listing.get("items") or [] if _name(o) == c.pipeline]
+        self._note_spec(items[0] if items else None)
         emit(ready_targets(items[0] if items else None))
         return (listing.get("metadata") or {}).get("resourceVersion") or None
 
@@ -208,13 +230,24 @@ class Kubernetes:
                     continue
                 if event["type"] == "DELETED":
                     emit({})
+                    self._note_spec(None)
                 elif event["type"] in ("ADDED", "MODIFIED"):
+                    self._note_spec(obj)
                     emit(ready_targets(obj))
         except ReadTimeoutError:
             pass  # silent for the whole read deadline: resume from where we were
         finally:
             self._watch = None
         return w.resource_version or version
+
+    def _note_spec(self, obj: dict[str, Any] | None) -> None:
+        """Hand spec.router.policy on when it changed (before the targets it may route)."""
+        policy = pipeline_policy(obj)
+        if policy != self._policy:
+            c = self.config
+            log.info("pipeline %s/%s: router policy %s", c.namespace, c.pipeline, policy or "unset")
+            self._policy = policy
+            self._publish_policy(policy)
 
     def _ok(self) -> None:
         if self._failing:

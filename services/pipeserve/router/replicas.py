@@ -12,7 +12,7 @@ Contract:
   out at once. It comes back only once polls *sent after* set_down have seen
   it unready (or unreachable) and then ready again: a reply already in flight,
   or a dying stage 0 that has not yet noticed its group stopped, cannot undo it.
-* `pick(prompt_ids, exclude)` applies `config.policy` (see policy.py) to the
+* `pick(prompt_ids, exclude)` applies `self.policy` (config.policy unless set) to the
   routable groups; `acquire`/`release` keep the router's own in-flight count per
   group, which least_load reads.
 * Logs one line per readiness change of a group, never per poll.
@@ -96,6 +96,7 @@ class ReplicaSet:
     ) -> None:
         check_targets(targets)
         self.config = config
+        self.policy = config.policy  # the picking policy; discovery may set it (spec.router.policy)
         self.retire_grace_s = (
             config.first_token_timeout_s + config.stream_idle_timeout_s
             if retire_grace_s is None
@@ -265,9 +266,7 @@ class ReplicaSet:
 
     def pick(self, prompt_ids: Sequence[int], exclude: Sequence[str] = ()) -> GroupState | None:
         groups = self.ready_groups(exclude)
-        chosen = policy.pick(
-            self.config.policy, groups, prompt_ids, self._turn, self.config.affinity_overload
-        )
+        chosen = policy.pick(self.policy, groups, prompt_ids, self._turn, self.config.affinity_overload)
         self._turn += 1
         return chosen
 

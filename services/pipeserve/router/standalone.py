@@ -2,6 +2,7 @@
 
     pipeserve router --upstream HOST:PORT[,HOST:PORT...] --model DIR [RouterConfig flags]
     pipeserve router --discover kubernetes [--namespace NS] --pipeline NAME --model DIR [...]
+    pipeserve router --discover kubernetes --models FILE [...]     # several models (models_file.py)
 
 `--model` (or `--tokenizer`) is a directory with the tokenizer files only —
 tokenizer.json, tokenizer_config.json, the chat template; the router never
@@ -14,6 +15,11 @@ groups, followed as they change without a restart; `--namespace` defaults to
 the pod's own namespace). Env: PIPESERVE_UPSTREAM, PIPESERVE_DISCOVER,
 PIPESERVE_NAMESPACE, PIPESERVE_PIPELINE. Bad settings exit 2 (ConfigError).
 SIGTERM/SIGINT: uvicorn's graceful shutdown, streams ended just before it.
+
+Policy: `--policy` (or PIPESERVE_POLICY) applies to every model; without it, a --models entry's
+`policy`, else (kubernetes) the InferencePipeline's `spec.router.policy`, followed live, else
+round_robin. `--models FILE` serves each entry as its own router behind router/multi.py's front;
+it replaces --model, --served-model-name, --pipeline and --upstream (naming both exits 2).
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from pipeserve.config import (
     DISCOVERY_KINDS,
+    POLICIES,
     DiscoveryConfig,
     RouterConfig,
     add_config_args,
@@ -37,7 +46,7 @@ from pipeserve.config import (
 from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.discovery import Discovery, Static, upstream_targets
 
-_FIXED = {"model"}
+_FIXED = {"model", "policy"}  # own flags below: --policy's absence matters (the pipeline's then)
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,40 +77,68 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--pipeline", default=os.environ.get("PIPESERVE_PIPELINE", ""), help="kubernetes: its name"
     )
+    r.add_argument(
+        "--models",
+        default=os.environ.get("PIPESERVE_MODELS") or None,
+        help="YAML/JSON list of served models, each its own tokenizer and pipeline (see the docs)",
+    )
+    r.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=os.environ.get("PIPESERVE_POLICY") or None,
+        help="how a group is picked (default: the pipeline's spec.router.policy, else round_robin)",
+    )
     r.add_argument("--kube-api", default=None, help="kubernetes: API server URL, no auth (tests, dev)")
     r.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM: let responses finish")
     add_config_args(r, RouterConfig, skip=_FIXED)
     r.set_defaults(func=run_router)
 
 
-def discovery_config(args: argparse.Namespace) -> DiscoveryConfig:
+def discovery_config(
+    args: argparse.Namespace, pipeline: str | None = None, upstream: str | None = None
+) -> DiscoveryConfig:
+    """The discovery of the flags (or of one --models entry: its `pipeline` / `upstream`)."""
     kind = args.discover or "static"
+    upstream = upstream if upstream is not None else args.upstream
     if kind == "static":
-        upstream_targets(args.upstream)  # the precise message for a bad host:port
-        return DiscoveryConfig(kind=kind, upstream=args.upstream)
+        upstream_targets(upstream)  # the precise message for a bad host:port
+        return DiscoveryConfig(kind=kind, upstream=upstream)
     from pipeserve.router.discovery_k8s import pod_namespace  # stdlib only until run
 
     return DiscoveryConfig(
         kind=kind,
-        upstream=args.upstream or None,
+        upstream=upstream or None,
         namespace=args.namespace or pod_namespace(),
-        pipeline=args.pipeline,
+        pipeline=pipeline if pipeline is not None else args.pipeline,
         kube_api=args.kube_api,
     )
 
 
-def make_discovery(config: DiscoveryConfig) -> Discovery:
-    """The discovery `config` names; the kubernetes client is imported only when asked for."""
+def make_discovery(
+    config: DiscoveryConfig, on_policy: Callable[[str | None], None] | None = None
+) -> Discovery:
+    """The discovery `config` names; the kubernetes client is imported only when asked for.
+    `on_policy` gets the InferencePipeline's spec.router.policy (kubernetes only)."""
     if config.kind == "static":
         return Static(upstream_targets(config.upstream))
     from pipeserve.router.discovery_k8s import Kubernetes
 
-    return Kubernetes(config)
+    return Kubernetes(config, on_policy)
 
 
-async def serve_router(config: RouterConfig, discovery: Discovery, drain_timeout_s: float) -> int:
+@dataclass
+class Model:
+    """One served model as run_router resolved it: its config, discovery and explicit policy."""
+
+    config: RouterConfig
+    discovery: DiscoveryConfig
+    policy: str | None  # named by --policy or the --models entry: the pipeline's spec is then ignored
+
+
+async def serve_router(models: list[Model], drain_timeout_s: float) -> int:
     from pipeserve.router.app import build_app
     from pipeserve.router.http_guard import RouterServer, server_config
+    from pipeserve.router.multi import ModelRouter, Served
     from pipeserve.router.replicas import ReplicaSet
 
     class Server(RouterServer):
@@ -109,9 +146,23 @@ async def serve_router(config: RouterConfig, discovery: Discovery, drain_timeout
         def capture_signals(self) -> Iterator[None]:
             yield  # the loop's handlers below decide: a second signal skips the drain
 
-    registry = CollectorRegistry()
-    replicas = ReplicaSet(config, {}, registry)
-    app = build_app(config, replicas, registry)
+    served, sets, discoveries = [], [], []
+    for m in models:
+        registry = CollectorRegistry()
+        replicas = ReplicaSet(m.config, {}, registry)
+        on_policy = None
+        if m.policy is None:  # the pipeline's own policy, live; round_robin while it names none
+
+            def on_policy(policy: str | None, replicas: ReplicaSet = replicas) -> None:
+                replicas.policy = policy or replicas.config.policy
+
+        discoveries.append((make_discovery(m.discovery, on_policy), replicas))
+        sets.append(replicas)
+        served.append(Served(m.config.model_name, build_app(m.config, replicas, registry), registry))
+    config = models[0].config
+    app: Any = served[0].app
+    if len(served) > 1:
+        app = ModelRouter(served, config.api_key, config.body_timeout_s)
     server = Server(server_config(app, config, timeout_graceful_shutdown=drain_timeout_s))
 
     def on_signal() -> None:
@@ -121,28 +172,60 @@ async def serve_router(config: RouterConfig, discovery: Discovery, drain_timeout
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    await replicas.start()
-    watcher = asyncio.create_task(discovery.run(replicas.set_targets), name="router-discovery")
+    for replicas in sets:
+        await replicas.start()
+    watchers = [
+        asyncio.create_task(d.run(r.set_targets), name=f"router-discovery-{i}")
+        for i, (d, r) in enumerate(discoveries)
+    ]
     try:
         await server.serve()
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
-        await replicas.close()
+        for w in watchers:
+            w.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        for replicas in sets:
+            await replicas.close()
     return ExitCode.OK
 
 
+def resolve_models(args: argparse.Namespace) -> list[Model]:
+    """The models the flags say to serve: the --models file's entries, else the single model."""
+    policy = args.policy or "round_robin"
+    if not args.models:
+        if not args.model:
+            raise ConfigError("model: the tokenizer directory is required (--model or --tokenizer)")
+        config = config_from_args(RouterConfig, args, skip=_FIXED, model=args.model, policy=policy)
+        return [Model(config, discovery_config(args), args.policy)]
+    clash = [f for f in ("model", "served_model_name", "pipeline", "upstream") if getattr(args, f)]
+    if clash:
+        raise ConfigError(f"models: --models replaces --{clash[0].replace('_', '-')} (each entry says it)")
+    from pipeserve.router.models_file import load_models
+
+    models = []
+    for e in load_models(args.models, args.discover or "static"):
+        config = config_from_args(
+            RouterConfig,
+            args,
+            skip=_FIXED | {"served_model_name", "chat_template"},
+            model=e.tokenizer,
+            served_model_name=e.model,
+            chat_template=e.chat_template or args.chat_template,
+            policy=args.policy or e.policy or "round_robin",
+        )
+        discovery = discovery_config(args, pipeline=e.pipeline, upstream=e.upstream or "")
+        models.append(Model(config, discovery, args.policy or e.policy))
+    return models
+
+
 def run_router(args: argparse.Namespace) -> int:
-    if not args.model:
-        raise ConfigError("model: the tokenizer directory is required (--model or --tokenizer)")
     if args.drain_timeout_s < 0:
         raise ConfigError(f"drain_timeout_s: must be >= 0 (got {args.drain_timeout_s})")
-    config = config_from_args(RouterConfig, args, skip=_FIXED, model=args.model)
-    discovery = make_discovery(discovery_config(args))
+    models = resolve_models(args)
     from pipeserve.obs.tracing import setup_tracing
 
     traces = setup_tracing("pipeserve-router")
     try:
-        return asyncio.run(serve_router(config, discovery, args.drain_timeout_s))
+        return asyncio.run(serve_router(models, args.drain_timeout_s))
     finally:
         traces.shutdown(deadline_s=3.0)
