@@ -52,6 +52,7 @@ DEPLOYMENT_LIMITS = (
     "outside the vocabulary",
     "the prompt is empty",
     "is too large",
+    "--tool-call-parser",  # tool_choice auto (the default with tools) on a server without a parser
 )
 
 STATUSES: Counter[tuple[str, int]] = Counter()  # (generation mode, status): reported after the run
