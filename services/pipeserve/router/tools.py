@@ -47,7 +47,7 @@ NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
 # Fields that ask for another structured output (vLLM's guided_* and structured_outputs).
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-EMPTY_OBJECT_SCHEMA = {"type": "object", "properties": {}}
+EMPTY_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
