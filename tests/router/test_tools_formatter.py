@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 from tools_support import QWEN_TOOLS_TEMPLATE, TOOLS
 
 from router_support import RouterHarness, ScriptedStage
@@ -209,3 +209,25 @@ def test_auto_without_a_parser_is_400(qwen2_dir: Path, tok: Tokenizer, tmp_path:
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
         r = _post(h, {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def test_tool_call_tags_as_added_tokens(qwen2_dir: Path, tmp_path: Path) -> None:
+    """As in Qwen2.5's tokenizer, `<tool_call>` and `</tool_call>` are single added (non-special)
+    tokens: the detokenizer gives them back whole and the parser reads them."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for name in ("tokenizer_config.json", "config.json"):
+        (d / name).write_text((qwen2_dir / name).read_text())
+    tok = Tokenizer.from_file(str(qwen2_dir / "tokenizer.json"))
+    tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
+    tok.save(str(d / "tokenizer.json"))
+    text = f"<tool_call>\n{W}\n</tool_call>"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert tok.token_to_id("<tool_call>") in ids and tok.token_to_id("</tool_call>") in ids
+    with _router(d, tok, tmp_path, "hermes") as h:
+        _reply(h, tok, text)
+        body = {"messages": USER, "tools": TOOLS, "max_tokens": 500}
+        choice = _blocking(h, body).choices[0]
+        assert (choice.message.content, _calls(choice.message)) == (None, [WEATHER])
+        _, content, calls, finish = _streamed(h, body)
+        assert (content, [(n, a) for _, n, a in calls], finish) == (None, [WEATHER], "tool_calls")
