@@ -36,33 +36,43 @@ Event = Text | CallStart | CallArgs
 
 
 class EventSink:
-    """Collects a parser's events, merging adjacent text and argument pieces (CallScanner's sink)."""
+    """Collects a parser's events, merging adjacent text and argument pieces (CallScanner's sink).
+
+    Pieces gather in a list and are joined when the kind of event changes (or on `take`): a parser
+    adds one character at a time, and growing a string per character would be quadratic."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.calls = 0  # calls started so far
+        self._kind: str | None = None  # "text" | "args": what `_parts` are pieces of
+        self._parts: list[str] = []
+
+    def _flush(self) -> None:
+        if self._parts:
+            joined = "".join(self._parts)
+            self.events.append(Text(joined) if self._kind == "text" else CallArgs(self.calls - 1, joined))
+        self._parts, self._kind = [], None
 
     def text(self, text: str) -> None:
-        if not text:
-            return
-        last = self.events[-1] if self.events else None
-        if isinstance(last, Text):
-            last.text += text
-        else:
-            self.events.append(Text(text))
+        if text:
+            if self._kind != "text":
+                self._flush()
+                self._kind = "text"
+            self._parts.append(text)
 
     def start(self, name: str) -> None:
+        self._flush()
         self.events.append(CallStart(self.calls, name))
         self.calls += 1
 
     def args(self, text: str) -> None:
-        last = self.events[-1] if self.events else None
-        if isinstance(last, CallArgs):
-            last.text += text
-        else:
-            self.events.append(CallArgs(self.calls - 1, text))
+        if self._kind != "args":
+            self._flush()
+            self._kind = "args"
+        self._parts.append(text)
 
     def take(self) -> list[Event]:
+        self._flush()
         out, self.events = self.events, []
         return out
 
