@@ -812,6 +812,20 @@ MUTANTS = [
         '    schema: dict[str, Any] = {"type": "array", "items": items}',
         "tests/router/test_tools_protocol.py -k required_schema",
     ),
+    (
+        "tool_choice auto served without a parser",
+        "services/pipeserve/router/tools.py",
+        '    if spec.choice == "auto" and parser is None:',
+        "    if False:",
+        "tests/router/test_tools_protocol.py -k auto_needs",
+    ),
+    (
+        "parallel_tool_calls false ignored",
+        "services/pipeserve/router/tools.py",
+        "        if self.spec.parallel:",
+        "        if True:",
+        "tests/router/test_tools_formatter.py -k parallel_tool_calls_false",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
