@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from pipeserve.config import TOOL_CALL_PARSERS, RouterConfig
 from pipeserve.errors import ConfigError
 from pipeserve.router.errors import APIError
+from pipeserve.router.openapi import chat_request
 from pipeserve.router.protocol import parse_chat
 from pipeserve.router.tool_parsers import PARSERS
 from pipeserve.router.tools import check_parser, forced_schema
@@ -191,3 +192,20 @@ def test_render_equals_apply_chat_template(qwen2_dir: Path, tools: list | None) 
     assert got == want
     assert '"description": "Current weather <b>in a city</b> & its \'feel\'"' in got or tools is None
     assert '{"city": "Zürich", "unit": "celsius"}' in got  # arguments as objects, tojson'd once
+
+
+def test_openapi_documents_the_tool_fields() -> None:
+    """A tool request valid by /openapi.json's chat schema parses; ill-formed names break the schema."""
+    schema = chat_request()
+    v = jsonschema.Draft202012Validator(schema)
+    body = {
+        "messages": ROUND_TRIP,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "parallel_tool_calls": False,
+    }
+    assert not list(v.iter_errors(body))
+    assert parse_chat(body).tools.name == "get_time"
+    assert not v.is_valid({**body, "tools": [_tool("two words")]})
+    assert not v.is_valid({**body, "tool_choice": "sometimes"})
+    assert not v.is_valid({"messages": [{"role": "tool", "content": "x"}]})  # no tool_call_id
