@@ -888,6 +888,70 @@ MUTANTS = [
         "{{- with list }}",
         "tests/k8s/test_chart_values.py -k metrics_from",
     ),
+    (
+        "hermes drops parallel calls",
+        "services/pipeserve/router/tool_parsers/hermes.py",
+        "                    self.mode, self._raw = _BLOCK, [START]",
+        "                    self.mode, self._raw = (_SKIP if self.calls else _BLOCK), [START]",
+        "tests/router/test_tools_parsers.py -k 'hermes and parallel'",
+    ),
+    (
+        "hermes leaks a partial <tool_call> into content",
+        "services/pipeserve/router/tool_parsers/hermes.py",
+        '        elif c == "<":\n            self._tag = c',
+        '        elif c == "<":\n            self.out.text(self._ws + c)\n'
+        '            self._ws = ""\n            self._tag = c',
+        "tests/router/test_tools_parsers.py -k partial_tag",
+    ),
+    (
+        "llama3_json keeps only the first call",
+        "services/pipeserve/router/tool_parsers/llama3_json.py",
+        "            self.mode, self._held = _SEP, []",
+        "            self.mode, self._held = _TEXT, []",
+        "tests/router/test_tools_parsers.py -k 'llama3_json and parallel'",
+    ),
+    (
+        "chat template uses jinja2's tojson, not transformers'",
+        "services/pipeserve/tokenizer.py",
+        '            env.filters["tojson"] = _tojson',
+        '            env.filters["tojson"] = env.filters["tojson"]',
+        "tests/router/test_tools_protocol.py -k render",
+    ),
+    (
+        "tool call arguments left as a JSON string for the template",
+        "services/pipeserve/router/tools.py",
+        '        decoded.append({**call, "function": {**fn, "arguments": args}})',
+        '        decoded.append({**call, "function": {**fn}})',
+        "tests/router/test_tools_protocol.py -k render",
+    ),
+    (
+        "finish_reason not tool_calls when tools were called",
+        "services/pipeserve/router/tools.py",
+        '            return "tool_calls"',
+        "            return finish_reason",
+        "tests/router/test_tools_formatter.py -k auto_parallel",
+    ),
+    (
+        "required tool schema without minItems",
+        "services/pipeserve/router/tools.py",
+        '    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}',
+        '    schema: dict[str, Any] = {"type": "array", "items": items}',
+        "tests/router/test_tools_protocol.py -k required_schema",
+    ),
+    (
+        "tool_choice auto served without a parser",
+        "services/pipeserve/router/tools.py",
+        '    if spec.choice == "auto" and parser is None:',
+        "    if False:",
+        "tests/router/test_tools_protocol.py -k auto_needs",
+    ),
+    (
+        "parallel_tool_calls false ignored",
+        "services/pipeserve/router/tools.py",
+        "        if self.spec.parallel:",
+        "        if True:",
+        "tests/router/test_tools_formatter.py -k parallel_tool_calls_false",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -148,7 +148,7 @@ def test_chat_template_flag_serves_chat(llama_dir: Path, tmp_path: Path) -> None
         ("/v1/completions", {"prompt": [5, 6], "max_tokens": 10**30}, "max_tokens"),
         ("/v1/completions", {"prompt": "x" * (2**20)}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "x"}]}, "messages[0].role"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "x"}]}, "tools[0].type"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
     ],
 )

@@ -240,6 +240,8 @@ def config_argv(config: object, skip: set[str] = _NOT_FLAGS) -> list[str]:
 
 # --- serving -----------------------------------------------------------------
 POLICIES = ("round_robin", "least_load", "prefix_affinity")
+# --tool-call-parser's names (vLLM's); router/tool_parsers' registry holds the same (a test checks)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,8 @@ class RouterConfig:
     # The chat template: a file path or the template text (vLLM's --chat-template); None: the checkpoint's
     # (chat_template.jinja, else tokenizer_config.json's chat_template).
     chat_template: str | None = None
+    # How the model writes tool calls (router/tool_parsers): needed by tool_choice "auto"; None: no parser
+    tool_call_parser: str | None = field(default=None, metadata={"choices": TOOL_CALL_PARSERS})
     tokenizer_threads: int = 2  # the router's pool for tokenization and chat rendering (off the event loop)
     # Slow or hostile clients (router/http_guard.py): a connection's request line and headers must arrive
     # within header_timeout_s of its start (or of its previous response) and fit in max_header_bytes;
@@ -323,6 +327,11 @@ class RouterConfig:
             need(getattr(self, name) > 0, name, "must be > 0")
         need(self.affinity_overload >= 0, "affinity_overload", "must be >= 0")
         need(self.chat_template is None or bool(self.chat_template), "chat_template", "must not be empty")
+        need(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"must be one of {TOOL_CALL_PARSERS}",
+        )
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")
 

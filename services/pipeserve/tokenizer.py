@@ -22,14 +22,20 @@ a prompt is refused without tokenizing it.
 
 The template runs in jinja2's immutable sandbox, as transformers does: a chat
 request cannot reach Python objects through it, and `raise_exception(msg)` in
-a template becomes a 400 naming `messages`.
+a template becomes a 400 naming `messages`. It sees what transformers'
+`apply_chat_template(messages, tools=..., add_generation_prompt=True)` gives
+it: `messages`, `tools` (None without tools), `documents` (None), the special
+tokens, transformers' `tojson` filter (json.dumps: no HTML escaping, keys in
+their order, `indent`/`separators`/`sort_keys` options) and `strftime_now`.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -46,6 +52,22 @@ class TemplateError(Exception):
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter, not jinja2's (which escapes <>&' as HTML and sorts keys): tool schemas and
+    # call arguments render as apply_chat_template renders them
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _special(cfg: dict, key: str) -> str:
@@ -84,6 +106,8 @@ class TokenizerAssets:
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(chat_template)
         # Byte-level BPE stores each byte as one printable character; invert that map to
         # report a token's exact bytes (a token may hold part of a UTF-8 character).
@@ -143,11 +167,13 @@ class TokenizerAssets:
         """
         return None if self._bytes_per_token is None else max_model_len * self._bytes_per_token
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self._template.render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=True, **self.special
+            )
         except TemplateError as e:
             raise InvalidRequestError("messages", str(e)) from None
         except jinja2.TemplateError as e:

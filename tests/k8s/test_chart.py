@@ -236,6 +236,7 @@ BAD_VALUES = [
     ["--set", "operator.watchNamespace=Bad_NS"],
     ["--set", "operator.unknown=1"],
     ["--set", "router.policy=random"],
+    ["--set", "router.toolCallParser=mistral"],
     ["--set", "router.tokenizer.path=relative"],
     ["--set", "router.tokenizer.hostPath=/a", "--set", "router.tokenizer.persistentVolumeClaim=b"],
     ["--set", "router.service.port=0"],

@@ -127,7 +127,8 @@ def _demo_pipeline() -> dict:
 def _commands(tools: Tools) -> list[list[str]]:
     """command + args of every container the chart and the operator run, and each image's ENTRYPOINT."""
     out = []
-    for o in tools.objects("--set", "example.enabled=true", "--set", "router.policy=least_load"):
+    chart = ("--set", "example.enabled=true", "--set", "router.policy=least_load")
+    for o in tools.objects(*chart, "--set", "router.toolCallParser=hermes"):
         if o["kind"] == "Deployment":
             out += [c["command"] + c.get("args", []) for c in o["spec"]["template"]["spec"]["containers"]]
     sts = stage_statefulset(_demo_pipeline(), 0, 1)
@@ -170,7 +171,7 @@ def test_the_router_command_is_the_contracts(commands: list[list[str]]) -> None:
     ns = build_parser().parse_args(router[1:])
     got = (ns.host, ns.port, ns.discover, ns.namespace, ns.pipeline)
     assert got == ("0.0.0.0", 8000, "kubernetes", "ml", "demo")
-    assert ns.model == "/models/demo" and ns.policy == "least_load"
+    assert ns.model == "/models/demo" and ns.policy == "least_load" and ns.tool_call_parser == "hermes"
     (stage,) = [c for c in commands if c[:2] == ["pipeserve", "stage"] and len(c) > 2]
     ns = build_parser().parse_args(stage[1:])
     assert (ns.world_size, ns.host, ns.health_port, ns.grpc_port) == (2, "0.0.0.0", 8080, 50051)

@@ -52,6 +52,12 @@ DEPLOYMENT_LIMITS = (
     "outside the vocabulary",
     "the prompt is empty",
     "is too large",
+    "--tool-call-parser",  # tool_choice auto (the default with tools) on a server without a parser
+    # Cross-field rules of tool calling no JSON schema states (router/openapi_tools.py says them in words)
+    "names no function in tools",
+    "duplicates the name of an earlier tool",
+    "must be a JSON text",
+    "differs from another tool's",
 )
 
 STATUSES: Counter[tuple[str, int]] = Counter()  # (generation mode, status): reported after the run

@@ -182,7 +182,7 @@ def test_max_tokens_beyond_the_context_names_the_field_sent() -> None:
             "messages[0].content",
         ),
         ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages[0].name"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -27,6 +27,7 @@ SPECIAL = {
     "policy": "least_load",
     "api_key": "sk-test",
     "chat_template": "{{ messages[0]['content'] }}",
+    "tool_call_parser": "hermes",
     "host": "127.0.0.2",
     "port": 8123,
     "served_model_name": "served-name",

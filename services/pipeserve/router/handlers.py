@@ -49,6 +49,7 @@ from pipeserve.router.protocol import parse_chat, parse_completion
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.router.responses import SSE_DONE, Formatter, sse
 from pipeserve.router.serving import Choice, Generation
+from pipeserve.router.tools import ToolCallOutput, check_parser
 from pipeserve.router.trace import RequestAttributes
 from pipeserve.router.upstream import Upstream
 from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
@@ -131,12 +132,16 @@ class Router:
         self.check_auth(request)
         req = parse_chat(await self.read_json(request))
         self.check_model(req.model)
+        check_parser(req.tools, self.config.tool_call_parser)
         slot = self.admission.acquire()
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
                 lambda: self.tok.encode_prompt(
-                    self.tok.render_chat(req.messages), req.add_special_tokens, max_len, "messages"
+                    self.tok.render_chat(req.messages, req.tools.tools),
+                    req.add_special_tokens,
+                    max_len,
+                    "messages",
                 )
             )
             params = self._resolve(ids, req.params, "messages", req.max_tokens_param, max_len, vocab)
@@ -148,6 +153,8 @@ class Router:
                 req.params.logprobs is not None,
                 req.return_token_ids,
             )
+            if req.tools.choice != "none":
+                fmt.tools = ToolCallOutput(req.tools, self.config.tool_call_parser)
             return await self._generate(
                 request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival
             )
@@ -228,7 +235,9 @@ class Router:
                     or ev.finish_reason is not None
                     or (fmt.return_token_ids and ev.token_ids)
                 ):
-                    yield sse(fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason, ev.token_ids))
+                    chunk = fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason, ev.token_ids)
+                    if chunk is not None:  # None: text a tool-call parser holds back
+                        yield sse(chunk)
             if include_usage:
                 yield sse(fmt.usage_chunk([c.result for c in gen.choices]))
         except APIError as e:

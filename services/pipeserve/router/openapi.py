@@ -26,6 +26,7 @@ from dataclasses import fields
 from typing import Any, get_type_hints
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from pipeserve.router import openapi_tools
 from pipeserve.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, default_of
 
 _PER_ENDPOINT = ("max_tokens", "logprobs")  # as in protocol.py: each endpoint reads these its own way
@@ -161,7 +162,9 @@ def chat_request() -> dict:
             "role": {"type": "string", "minLength": 1},
             "content": nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
             "name": {"type": "string"},
+            **openapi_tools.MESSAGE_PROPERTIES,
         },
+        "allOf": openapi_tools.MESSAGE_RULES,
         "description": "rendered by the model's chat template",
     }
     max_tokens = sampling_field("max_tokens") | {"default": None}
@@ -183,12 +186,13 @@ def chat_request() -> dict:
                 "properties": {"type": {"type": "string", "enum": ["text"]}},
             }
         ),
-        "tools": nullable({"type": "array", "maxItems": 0, "description": "tool calling is not supported"}),
+        "tools": openapi_tools.TOOLS,
+        "tool_choice": openapi_tools.TOOL_CHOICE,
+        "parallel_tool_calls": openapi_tools.PARALLEL,
         "functions": nullable(
-            {"type": "array", "maxItems": 0, "description": "tool calling is not supported"}
+            {"type": "array", "maxItems": 0, "description": "legacy function calling is not supported"}
         ),
-        "tool_choice": _only("none", "string", "tool calling is not supported"),
-        "function_call": _only("none", "string", "tool calling is not supported"),
+        "function_call": _only("none", "string", "legacy function calling is not supported"),
     }
     top_logprobs_need_logprobs = {
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
@@ -295,14 +299,6 @@ CHAT = _operation(
     chat_request(),
     _response(
         "chat.completion",
-        _choice(
-            {
-                "message": {
-                    "type": "object",
-                    "required": ["role", "content"],
-                    "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
-                }
-            }
-        ),
+        _choice({"message": openapi_tools.RESPONSE_MESSAGE}),
     ),
 )

@@ -21,8 +21,11 @@ field the client sent). Rules:
   echoed, so it is a 400 naming the field; messages never quote the value.
 * Features the engine does not implement are refused, not ignored: n != 1,
   best_of != 1, echo, suffix, non-zero penalties, logit_bias, a
-  response_format (completions: any; chat: other than text), tools,
-  tool_choice, functions, `stream_options` without `stream: true`.
+  response_format (completions: any; chat: other than text), legacy
+  functions/function_call, `stream_options` without `stream: true`.
+* Chat's tools, tool_choice, parallel_tool_calls and the tool fields of
+  messages are read by router/tools.py (`ChatRequest.tools`); a forced
+  tool choice sets the body's `guided_json` before sampling is read.
 * `add_special_tokens` (vLLM's extension) is true by default for
   completions (the tokenizer's BOS, as `tokenizer(text)`), false for chat
   (the template writes it).
@@ -40,6 +43,7 @@ from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
+from pipeserve.router.tools import NO_TOOLS, ToolsSpec, forced_schema, message_fields, parse_tools
 from pipeserve.sampling_params import SamplingParams, default_of
 
 _MISSING = object()
@@ -182,6 +186,7 @@ class ChatRequest:
     return_token_ids: bool = False
     add_special_tokens: bool = False
     max_tokens_param: str = "max_tokens"
+    tools: ToolsSpec = NO_TOOLS  # tools for the template, tool_choice, parallel_tool_calls (tools.py)
 
 
 def _sampling(
@@ -306,22 +311,13 @@ def _message(i: int, m: Any) -> dict:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise errors.invalid(f"{param}.content", "must be a string or a list of content parts")
-    out = {**m, "role": role, "content": content}
+    # None means absent (transformers' apply_chat_template drops such keys; templates test `is defined`)
+    out = {k: v for k, v in m.items() if v is not None} | {"role": role, "content": content}
+    out |= message_fields(param, out)  # tool_calls' arguments decoded for the template (tools.py)
     for key, value in out.items():  # every text the template may write into the prompt
         if isinstance(value, str):
             check_text(value, f"{param}.{key}")
     return out
-
-
-def _refuse_tools(body: dict) -> None:
-    for key in ("tools", "functions"):
-        v = _get(body, key)
-        if v is not _MISSING and v != []:
-            raise errors.invalid(key, "tool calling is not supported")
-    for key in ("tool_choice", "function_call"):
-        v = _get(body, key)
-        if v is not _MISSING and v != "none":
-            raise errors.invalid(key, "tool calling is not supported")
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -340,10 +336,12 @@ def parse_chat(body: Any) -> ChatRequest:
         raise errors.invalid("top_logprobs", "requires logprobs to be true")
     if top is not None and not 0 <= top <= 20:
         raise errors.invalid("top_logprobs", f"must be in [0, 20], got {_short(top)}")
+    tools = parse_tools(body)
+    if (schema := forced_schema(tools)) is not None:  # enforced through guided_json, as vLLM
+        body = {**body, "guided_json": schema}
     fmt = _get(body, "response_format")
     if fmt is not _MISSING and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise errors.invalid("response_format", "only {'type': 'text'} is supported")
-    _refuse_tools(body)
     params = _sampling(body, max_tokens, max_param, (top or 0) if want_logprobs else None)
     _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
@@ -356,4 +354,5 @@ def parse_chat(body: Any) -> ChatRequest:
         _bool(body, "return_token_ids", False),
         _bool(body, "add_special_tokens", False),
         max_param,
+        tools,
     )

@@ -9,6 +9,8 @@ blocking response of the same request carry the same id, `created` and model:
   choice has `delta.role = "assistant"`; logprobs as {content: [{token,
   logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
 * the usage chunk (stream_options.include_usage) has `choices: []`.
+* chat with tools (`Formatter.tools`, router/tools.py): messages and deltas
+  carry `tool_calls`; a chunk whose text the parser holds back is not sent.
 Logprobs that are not finite are sent as -9999.0 (JSON has no -inf).
 """
 
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeserve.router.tools import ToolCallOutput
 from pipeserve.tokenizer import TokenizerAssets
 
 MIN_LOGPROB = -9999.0
@@ -85,6 +88,7 @@ class Formatter:
         self.tok = tok
         self.logprobs = logprobs
         self.created = int(time.time())
+        self.tools: ToolCallOutput | None = None  # chat with tool_choice other than none
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -145,10 +149,15 @@ class Formatter:
         tokens: list[TokenLP],
         finish_reason: str | None,
         token_ids: list[int] | None = None,
-    ) -> dict:
+    ) -> dict | None:
         ids: dict[str, list[int]] = {"token_ids": token_ids or []} if self.return_token_ids else {}
         if self.chat:
-            delta = {"content": text} if text or finish_reason is None else {}
+            if self.tools is not None:
+                delta, finish_reason = self.tools.delta(index, text, finish_reason)
+                if not delta and finish_reason is None and not tokens and not (ids and token_ids):
+                    return None
+            else:
+                delta = {"content": text} if text or finish_reason is None else {}
             chat: dict[str, Any] = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens), **ids}
             return self._envelope("chat.completion.chunk", [{**chat, "finish_reason": finish_reason}])
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(tokens), **ids}
@@ -162,13 +171,16 @@ class Formatter:
     def response(self, results: list[ChoiceResult]) -> dict:
         choices = []
         for r in sorted(results, key=lambda r: r.index):
+            finish = r.finish_reason
             if self.chat:
-                message = {"role": "assistant", "content": r.text}
+                message: dict[str, Any] = {"role": "assistant", "content": r.text}
+                if self.tools is not None:
+                    message, finish = self.tools.message(r.text, finish)
                 choice = {"index": r.index, "message": message, "logprobs": self._logprobs(r.tokens)}
             else:
                 choice = {"index": r.index, "text": r.text, "logprobs": self._logprobs(r.tokens)}
             if self.return_token_ids:
                 choice |= {"token_ids": r.token_ids, "prompt_token_ids": r.prompt_token_ids}
-            choices.append({**choice, "finish_reason": r.finish_reason})
+            choices.append({**choice, "finish_reason": finish})
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(obj, choices), "usage": usage(results)}
