@@ -34,9 +34,7 @@ from pipeserve_operator.owned import (
     ensure_group,
     ensure_pdb,
     ensure_pod_groups,
-    gang,
     is_surge,
-    pod_group_name,
     spec_hash,
 )
 from pipeserve_operator.resources import (
@@ -219,8 +217,7 @@ async def _scale_down(memo: Any, pipeline: dict, extra: list[int], entries: dict
         await kube.delete_service(ns, group_name(pipeline, index))
         if memo.network_policies:
             await kube.delete_network_policy(ns, group_name(pipeline, index))
-        if gang(pipeline["spec"]) == "volcano":
-            await kube.delete_pod_group(ns, pod_group_name(pipeline, index))
+    # Their PodGroups go on the next tick (ensure_pod_groups: no StatefulSet, no PodGroup).
 
 
 def _status(

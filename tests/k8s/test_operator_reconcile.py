@@ -120,6 +120,17 @@ async def test_ready_waits_for_the_generation_and_the_rollout(kmock: kmock.Kuber
     assert not early, early[:2]
 
 
+async def test_an_invalid_spec_is_not_observed(kmock: kmock.KubernetesEmulator) -> None:
+    # Nothing of generation 2 can be ensured: observedGeneration stays 1, Degraded says why.
+    async with operator(kmock, pipeline()):
+        await eventually(lambda: (cr(kmock).get("status") or {}).get("observedGeneration") == 1)
+        bump(kmock, {"engine": {"no-such-flag": 1}})
+        await eventually(lambda: condition(kmock, "Degraded").get("status") == "True")
+        await asyncio.sleep(5)
+        assert cr(kmock)["status"]["observedGeneration"] == 1 and condition(kmock)["status"] == "False"
+        assert "no-such-flag" in condition(kmock, "Degraded")["message"]
+
+
 async def test_owned_objects_come_back_and_drift_is_patched(kmock: kmock.KubernetesEmulator) -> None:
     controller = SimulatedStatefulSetController(kmock, period_s=0.2)
     async with operator(kmock, pipeline()), running(controller.run()):
