@@ -775,7 +775,8 @@ MUTANTS = [
         "operator: owned objects ensured only on a spec change",
         "services/pipeserve_operator/supervise.py",
         "    if not problem:\n        for i in wanted:",
-        '    if not problem and status.get("observedGeneration") != meta.get("generation"):\n        for i in wanted:',
+        '    if not problem and status.get("observedGeneration") != meta.get("generation"):\n'
+        "        for i in wanted:",
         "tests/k8s/test_operator_reconcile.py -k owned_objects",
     ),
     (
