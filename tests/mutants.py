@@ -798,7 +798,7 @@ MUTANTS = [
         "services/pipeserve_operator/supervise.py",
         "        and seen.updated == replicas\n",
         "",
-        "tests/k8s/test_operator_reconcile.py -k ready_waits",
+        "tests/k8s/test_operator_reconcile.py -k 'ready_waits or older_spec'",
     ),
     (
         "operator: groups roll on a rendering change (hash of the rendered template)",

@@ -37,6 +37,9 @@ def pipelines(body: Any, namespace: Any, name: Any, **_: Any) -> dict[tuple[str,
 
 async def run_loop(memo: Any, index: Any) -> None:
     while True:
+        live = {b["metadata"].get("uid") for key in list(index) for b in index.get(key) or []}
+        for uid in set(memo.statuses) - live:
+            del memo.statuses[uid]  # a deleted pipeline (a new one of the same name has another uid)
         for key in list(index):
             bodies = list(index.get(key) or [])
             if not bodies:

@@ -28,7 +28,7 @@ from typing import Any
 from pipeserve.care.restarts import FleetGroup, Phase, RestartPolicy, decide, max_surge, may_roll, want_surge
 from pipeserve_operator import groups
 from pipeserve_operator.crd import with_defaults
-from pipeserve_operator.kube import Kube
+from pipeserve_operator.kube import Conflict, Kube
 from pipeserve_operator.observe import group_observation, pod_group
 from pipeserve_operator.owned import (
     ensure_group,
@@ -123,8 +123,14 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
     ns, name = meta["namespace"], meta["name"]
     finalizers = list(meta.get("finalizers") or [])
     if LEGACY_FINALIZER in finalizers:
+        # A merge patch replaces the list: the resourceVersion makes it fail (Conflict: next tick) rather
+        # than drop a finalizer someone else added meanwhile.
         rest = [f for f in finalizers if f != LEGACY_FINALIZER]
-        await kube.patch_pipeline(ns, name, {"metadata": {"finalizers": rest or None}})
+        patch = {"metadata": {"finalizers": rest or None, "resourceVersion": meta.get("resourceVersion")}}
+        try:
+            await kube.patch_pipeline(ns, name, patch)
+        except Conflict:
+            return None
     if meta.get("deletionTimestamp"):
         return None
     full = with_defaults(pipeline["spec"])

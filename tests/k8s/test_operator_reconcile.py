@@ -120,6 +120,41 @@ async def test_ready_waits_for_the_generation_and_the_rollout(kmock: kmock.Kuber
     assert not early, early[:2]
 
 
+async def test_ready_is_false_while_a_ready_group_runs_an_older_spec(kmock: kmock.KubernetesEmulator) -> None:
+    # A group that turns Ready on pods of the previous spec is counted ready but not updated (it rolls
+    # on the next tick): Ready must stay False for generation 2 all along.
+    body = pipeline(stages=1)
+    body["spec"]["rollout"] = {"maxSurge": 0}
+    snapshots: list[dict] = []
+
+    async def watch() -> None:
+        while True:
+            status = dict(cr(kmock).get("status") or {})
+            snapshots.append(
+                {
+                    **status,
+                    "ready": condition(kmock).get("status"),
+                    "gen": cr(kmock)["metadata"]["generation"],
+                }
+            )
+            await asyncio.sleep(0.05)
+
+    async with operator(kmock, body):
+        await eventually(lambda: "p-g0" in live(kmock, STS) and groups(kmock))
+        kmock.objects[PODS, NS, "p-g0-0"] = pod_from(live(kmock, STS)["p-g0"], 0, ready=False)
+        bump(kmock, {"image": "pipeserve/stage:v2"})
+        await eventually(lambda: cr(kmock)["status"].get("observedGeneration") == 2)
+        async with running(watch()):
+            kmock.objects[PODS, NS, "p-g0-0"].patch(
+                {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+            )
+            await eventually(lambda: deletions(kmock, "p-g0-0") == 1)  # rolled: it ran the old image
+            await asyncio.sleep(2)
+    seen = [(s.get("readyReplicas"), s.get("updatedReplicas")) for s in snapshots if s["gen"] == 2]
+    assert (1, 0) in seen  # the case under test happened: Ready, not updated
+    assert not [s for s in snapshots if s["ready"] == "True"], snapshots[:2]
+
+
 async def test_an_invalid_spec_is_not_observed(kmock: kmock.KubernetesEmulator) -> None:
     # Nothing of generation 2 can be ensured: observedGeneration stays 1, Degraded says why.
     async with operator(kmock, pipeline()):
