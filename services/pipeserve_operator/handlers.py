@@ -58,9 +58,10 @@ async def run_loop(memo: Any, index: Any) -> None:
 
 
 @kopf.on.startup()
-async def start_loop(memo: Any, pipelines: Any, **_: Any) -> None:
+async def start_loop(memo: Any, **kwargs: Any) -> None:
+    # kopf passes every index to every handler by its name (here: the function `pipelines` above).
     memo.statuses = {}
-    memo.loop = asyncio.create_task(run_loop(memo, pipelines), name="pipeserve reconcile loop")
+    memo.loop = asyncio.create_task(run_loop(memo, kwargs["pipelines"]), name="pipeserve reconcile loop")
 
 
 @kopf.on.cleanup()
