@@ -11,6 +11,7 @@ import kmock
 import pytest
 from k8s_support import (
     CR,
+    NETPOL,
     NODES,
     NS,
     PDB,
@@ -32,6 +33,7 @@ from test_operator import cr, group_ready, groups, operator
 
 from pipeserve_operator import resources
 from pipeserve_operator.groups import rfc3339
+from pipeserve_operator.handlers import TICK_S
 from pipeserve_operator.kube import api_client
 from pipeserve_operator.supervise import LEGACY_FINALIZER
 
@@ -170,12 +172,11 @@ async def test_owned_objects_come_back_and_drift_is_patched(kmock: kmock.Kuberne
     controller = SimulatedStatefulSetController(kmock, period_s=0.2)
     async with operator(kmock, pipeline()), running(controller.run()):
         await eventually(lambda: group_ready(kmock))
-        for res, name in ((STS, "p-g0"), (SVC, "p-g0"), (PDB, "p")):
+        owned = ((STS, "p-g0"), (SVC, "p-g0"), (NETPOL, "p-g0"), (PDB, "p"))
+        for res, name in owned:
             kmock.objects[res, NS, name].delete()
-        await eventually(
-            lambda: "p-g0" in live(kmock, STS) and "p-g0" in live(kmock, SVC) and "p" in live(kmock, PDB),
-            timeout=5,
-        )
+        # Back within one tick.
+        await eventually(lambda: all(n in live(kmock, r) for r, n in owned), timeout=TICK_S + 0.5, step=0.1)
         sts = kmock.objects[STS, NS, "p-g0"]
         sts.patch({"spec": {"template": {"spec": {"containers": [{"name": "stage", "image": "evil:1"}]}}}})
         await eventually(
@@ -183,7 +184,8 @@ async def test_owned_objects_come_back_and_drift_is_patched(kmock: kmock.Kuberne
                 live(kmock, STS)["p-g0"]["spec"]["template"]["spec"]["containers"][0]["image"]
                 == "pipeserve/stage:test"
             ),
-            timeout=5,
+            timeout=TICK_S + 0.5,
+            step=0.1,
         )
         container = live(kmock, STS)["p-g0"]["spec"]["template"]["spec"]["containers"][0]
         assert container["args"] and container["readinessProbe"]  # the whole container came back
