@@ -28,7 +28,7 @@ from typing import Any
 from pipeserve.care.restarts import FleetGroup, Phase, RestartPolicy, decide, max_surge, may_roll, want_surge
 from pipeserve_operator import groups
 from pipeserve_operator.crd import with_defaults
-from pipeserve_operator.kube import Conflict, Kube
+from pipeserve_operator.kube import Conflict, Kube, NotFound
 from pipeserve_operator.observe import group_observation, pod_group
 from pipeserve_operator.owned import (
     ensure_group,
@@ -114,6 +114,7 @@ class Tick:
     restarts: int = 0
     updated: int = 0
     present: set[int] = dataclasses.field(default_factory=set)
+    unensured: str = ""  # why an object of this generation could not be ensured (not observed)
 
 
 async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | None:
@@ -170,7 +171,12 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
                 kube, pipeline, i, records[i].generation, live, memo.network_policies, stopped, surge_group
             )
         await ensure_pdb(kube, pipeline)
-        await ensure_pod_groups(kube, pipeline, wanted + extra)
+        try:
+            await ensure_pod_groups(kube, pipeline, wanted + extra)
+        except NotFound:  # the groups still run (unscheduled gangs are the scheduler's business)
+            seen.unensured = (
+                "placement.gang volcano: the PodGroup API (scheduling.volcano.sh/v1beta1) is not served"
+            )
         seen.present |= set(wanted)
     await _supervise(memo, pipeline, full, wanted, records, observed, by_group, entries, seen, problem)
     await _scale_down(memo, pipeline, extra, entries, wanted)
@@ -236,8 +242,9 @@ def _status(
     failed = [e["index"] for e in entries if e["phase"] == Phase.FAILED.value]
     previous = {c.get("type"): c for c in status.get("conditions") or []}
     stamp = groups.rfc3339(now)
-    observed = status.get("observedGeneration") if problem else generation
-    current = observed == generation and not problem
+    blocked = problem or seen.unensured
+    observed = status.get("observedGeneration") if blocked else generation
+    current = observed == generation and not blocked
     settled = (
         current
         and regular_ready == replicas
@@ -245,8 +252,8 @@ def _status(
         and {e["index"] for e in entries} == set(range(replicas))
         and seen.present == set(range(replicas))
     )
-    degraded = bool(problem or failed)
-    why = problem or (f"groups {failed} failed" if failed else "")
+    degraded = bool(blocked or failed)
+    why = blocked or (f"groups {failed} failed" if failed else "")
     last_failure = problem or next((e["lastFailure"] for e in entries if e["lastFailure"]), "")
     out: dict[str, Any] = {
         "replicas": len([e for e in entries if e["index"] in seen.present]),
@@ -273,7 +280,7 @@ def _status(
             _condition(
                 "Degraded",
                 degraded,
-                "InvalidSpec" if problem else "GroupFailed",
+                "InvalidSpec" if problem else "PodGroupsUnavailable" if seen.unensured else "GroupFailed",
                 why,
                 previous,
                 stamp,

@@ -253,6 +253,16 @@ async def test_pdb_and_volcano_pod_groups(kmock: kmock.KubernetesEmulator) -> No
         )
 
 
+async def test_volcano_gang_without_volcano_is_degraded(kmock: kmock.KubernetesEmulator) -> None:
+    async with operator(kmock, pipeline()):
+        await eventually(lambda: (cr(kmock).get("status") or {}).get("observedGeneration") == 1)
+        del kmock.resources[PODGROUPS]  # no Volcano in this cluster
+        bump(kmock, {"placement": {"gang": "volcano"}})
+        await eventually(lambda: condition(kmock, "Degraded").get("reason") == "PodGroupsUnavailable")
+        assert cr(kmock)["status"]["observedGeneration"] == 1 and condition(kmock)["status"] == "False"
+        assert [g["index"] for g in groups(kmock)] == [0]  # the group is still supervised
+
+
 async def test_pods_stuck_on_a_lost_node_are_forced(kmock: kmock.KubernetesEmulator) -> None:
     async with operator(kmock, pipeline(replicas=2, stages=1)):
         await eventually(lambda: {"p-g0", "p-g1"} <= set(live(kmock, STS)))
