@@ -789,9 +789,9 @@ MUTANTS = [
     (
         "operator: observedGeneration written before the generation's objects were ensured",
         "services/pipeserve_operator/supervise.py",
-        '    observed = status.get("observedGeneration") if problem else generation',
+        '    observed = status.get("observedGeneration") if blocked else generation',
         "    observed = generation",
-        "tests/k8s/test_operator_reconcile.py -k invalid_spec",
+        "tests/k8s/test_operator_reconcile.py -k 'invalid_spec or without_volcano'",
     ),
     (
         "operator: Ready ignores groups on an older spec",
