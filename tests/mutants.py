@@ -582,9 +582,9 @@ MUTANTS = [
     ),
     (
         "operator rolls every outdated group at once",
-        "services/pipeserve_operator/handlers.py",
-        "            may_roll = all(r.phase is Phase.READY for i, r in enumerate(records) if i != index)",
-        "            may_roll = True",
+        "services/pipeserve_operator/supervise.py",
+        "            obs = dataclasses.replace(observed[index], may_roll=may_roll(index, fleet))",
+        "            obs = dataclasses.replace(observed[index], may_roll=True)",
         "tests/k8s/test_operator.py -k rolls",
     ),
     (
@@ -951,6 +951,94 @@ MUTANTS = [
         "        if self.spec.parallel:",
         "        if True:",
         "tests/router/test_tools_formatter.py -k parallel_tool_calls_false",
+    ),
+    (
+        "operator: a kopf timer is back (its finalizer with it)",
+        "services/pipeserve_operator/handlers.py",
+        "@kopf.index(GROUP, VERSION, PLURAL)\n",
+        "@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S)\n"
+        "async def _timer(**_: Any) -> None:\n    pass\n\n\n"
+        "@kopf.index(GROUP, VERSION, PLURAL)\n",
+        "tests/k8s/test_operator_reconcile.py -k no_finalizer",
+    ),
+    (
+        "operator: owned objects ensured only on a spec change",
+        "services/pipeserve_operator/supervise.py",
+        "    if not problem:\n        for i in wanted:",
+        '    if not problem and status.get("observedGeneration") != meta.get("generation"):\n'
+        "        for i in wanted:",
+        "tests/k8s/test_operator_reconcile.py -k owned_objects",
+    ),
+    (
+        "operator: a hand-edited pod template is not patched back",
+        "services/pipeserve_operator/objects.py",
+        "    if not contains(have, want):\n        return True",
+        "    if False:\n        return True",
+        "tests/k8s/test_operator_reconcile.py -k drift",
+    ),
+    (
+        "operator: observedGeneration written before the generation's objects were ensured",
+        "services/pipeserve_operator/supervise.py",
+        '    observed = status.get("observedGeneration") if blocked else generation',
+        "    observed = generation",
+        "tests/k8s/test_operator_reconcile.py -k 'invalid_spec or without_volcano'",
+    ),
+    (
+        "operator: Ready ignores groups on an older spec",
+        "services/pipeserve_operator/supervise.py",
+        "        and seen.updated == replicas\n",
+        "",
+        "tests/k8s/test_operator_reconcile.py -k 'ready_waits or older_spec'",
+    ),
+    (
+        "operator: groups roll on a rendering change (hash of the rendered template)",
+        "services/pipeserve_operator/objects.py",
+        "    full = {k: v for k, v in with_defaults(spec).items() if k not in _NOT_ROLLED}\n",
+        "    full = {k: v for k, v in with_defaults(spec).items() if k not in _NOT_ROLLED}\n"
+        '    full["_rendered"] = __import__("pipeserve_operator.resources").resources.STARTUP_PERIOD_S\n',
+        "tests/k8s/test_operator_reconcile.py -k rendering",
+    ),
+    (
+        "operator: no surge group for one replica",
+        "services/pipeserve/care/restarts.py",
+        "        return 1 if replicas == 1 else 0",
+        "        return 0",
+        "tests/k8s/test_operator_reconcile.py -k surge",
+    ),
+    (
+        "operator: a removed group's PodGroup is left behind",
+        "services/pipeserve_operator/objects.py",
+        "    for name in sorted(set(live) - set(wanted)):",
+        "    for name in []:",
+        "tests/k8s/test_operator_reconcile.py -k pdb_and_volcano",
+    ),
+    (
+        "operator: a pod stuck on a lost node is never forced",
+        "services/pipeserve_operator/supervise.py",
+        "        if not stamp or now < _epoch(stamp) + STUCK_AFTER_S:",
+        "        if True:",
+        "tests/k8s/test_operator_reconcile.py -k stuck",
+    ),
+    (
+        "operator: forces a Terminating pod whose node is Ready",
+        "services/pipeserve_operator/supervise.py",
+        "        if await _node_ready(kube, node):\n            continue",
+        "        if False:\n            continue",
+        "tests/k8s/test_operator_reconcile.py -k stuck",
+    ),
+    (
+        "operator: the PDB lets unhealthy pods block a drain",
+        "services/pipeserve_operator/objects.py",
+        '            "unhealthyPodEvictionPolicy": "AlwaysAllow",\n',
+        "",
+        "tests/k8s/test_operator_reconcile.py -k pdb_and_volcano",
+    ),
+    (
+        "chart: an operator RBAC verb is missing",
+        "charts/pipeserve/templates/operator-rbac.yaml",
+        '    verbs: ["get", "create", "patch"]\n  - apiGroups: ["scheduling.volcano.sh"]',
+        '    verbs: ["get", "create"]\n  - apiGroups: ["scheduling.volcano.sh"]',
+        "tests/k8s/test_operator_rbac.py",
     ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -251,6 +251,7 @@ def _status_schema() -> dict[str, Any]:
             "reason": _STR,
             "message": _STR,
             "lastTransitionTime": {**_STR, "format": "date-time"},
+            "observedGeneration": _INT,
         },
         ["type", "status"],
     )
@@ -258,8 +259,10 @@ def _status_schema() -> dict[str, Any]:
         {
             "observedGeneration": _INT,
             "replicas": _INT,
+            "updatedReplicas": _INT,
             "readyReplicas": _INT,
             "restarts": _INT,
+            "forcedDeletions": _INT,
             "lastFailure": _STR,
             "selector": _STR,
             "groups": {"type": "array", "items": group},

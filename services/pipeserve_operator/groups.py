@@ -7,7 +7,8 @@
   recreates from a template it read before the patch is an old generation), then every pod of the
   group is deleted in one step: one DELETE per pod, all issued together (`asyncio.gather`), not a
   deletecollection (per-pod deletes work with any API server and let a missing pod count as done).
-  A Kubernetes Event is posted on the resource (reason GroupRestart / GroupRollout / GroupFailed).
+  A Kubernetes Event is posted on the resource (reason GroupRestart / GroupRollout / GroupFailed;
+  `post_event`: a uniquely named core/v1 Event, as `kubectl describe` shows them).
 * NONE / START: pods the decision calls stale (an older generation) are deleted without counting
   a restart; a pod already being deleted is not deleted again.
 The record (backoff state) is written into status.groups[i].record so an operator restart keeps it.
@@ -17,18 +18,49 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
+import uuid
 from typing import Any
-
-import kopf
 
 from pipeserve.care.restarts import Action, Decision, GroupRecord, Phase
 from pipeserve_operator.kube import Kube
 from pipeserve_operator.observe import pod_generation, pod_rank
 from pipeserve_operator.resources import GENERATION_LABEL, group_endpoint, group_name
 
+EVENT_SOURCE = {"component": "pipeserve-operator"}
+
 
 def rfc3339(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def post_event(kube: Kube, body: Any, type_: str, reason: str, message: str) -> None:
+    """An Event on the pipeline (best effort: a failed post never stops the tick)."""
+    meta = body["metadata"]
+    stamp = rfc3339(time.time())
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": "pipeserve.io/v1alpha1",
+            "kind": "InferencePipeline",
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": EVENT_SOURCE,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    try:
+        await kube.create_event(meta["namespace"], event)
+    except Exception:  # noqa: BLE001  (Events are informational)
+        pass
 
 
 def doomed(pods: list[dict[str, Any]], decision: Decision) -> list[dict[str, Any]]:
@@ -63,12 +95,11 @@ async def act(
     await asyncio.gather(*(kube.delete_pod(ns, p["metadata"]["name"]) for p in victims))
     if decision.action is Action.RESTART:
         message = f"group {index}: {decision.reason}; restart {record.restarts} in {decision.delay_s:.1f}s"
-        kopf.warn(body, reason="GroupRestart", message=message)
+        await post_event(kube, body, "Warning", "GroupRestart", message)
     elif decision.action is Action.ROLL:
-        # A Normal event (kopf.info would be filtered: handlers' own successes are not posted).
-        kopf.event(body, type="Normal", reason="GroupRollout", message=f"group {index}: {decision.reason}")
+        await post_event(kube, body, "Normal", "GroupRollout", f"group {index}: {decision.reason}")
     elif decision.action is Action.FAIL:
-        kopf.exception(body, reason="GroupFailed", message=f"group {index} failed: {decision.reason}")
+        await post_event(kube, body, "Warning", "GroupFailed", f"group {index} failed: {decision.reason}")
     return len(victims)
 
 

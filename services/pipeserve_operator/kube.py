@@ -7,8 +7,9 @@ Patches are JSON merge patches (`application/merge-patch+json`): a list in a pat
 List calls pass the label selector to the server and filter again here, so a server that ignores it
 (an emulator) cannot hand the operator another pipeline's pods.
 
-RBAC this module needs: pods (list, delete), services and statefulsets (get, list, create, patch,
-delete), coordination.k8s.io leases (get, create, patch) — see docs/kubernetes.md.
+RBAC: `NEEDS` maps every method to the (apiGroup, resource, verb) it uses; the chart's operator rules
+are exactly their union plus what kopf itself does (`KOPF_NEEDS`) — tests/k8s/test_operator_rbac.py
+renders the chart and compares (see docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,48 @@ import kubernetes
 
 REQUEST_TIMEOUT_S = (5.0, 15.0)
 MERGE = "application/merge-patch+json"
+
+
+# method → the rights it needs: (apiGroup, resource, verb).
+NEEDS: dict[str, tuple[str, str, str]] = {
+    "list_pods": ("", "pods", "list"),
+    "delete_pod": ("", "pods", "delete"),
+    "list_statefulsets": ("apps", "statefulsets", "list"),
+    "get_statefulset": ("apps", "statefulsets", "get"),
+    "create_statefulset": ("apps", "statefulsets", "create"),
+    "patch_statefulset": ("apps", "statefulsets", "patch"),
+    "delete_statefulset": ("apps", "statefulsets", "delete"),
+    "get_service": ("", "services", "get"),
+    "create_service": ("", "services", "create"),
+    "delete_service": ("", "services", "delete"),
+    "get_network_policy": ("networking.k8s.io", "networkpolicies", "get"),
+    "create_network_policy": ("networking.k8s.io", "networkpolicies", "create"),
+    "delete_network_policy": ("networking.k8s.io", "networkpolicies", "delete"),
+    "get_pdb": ("policy", "poddisruptionbudgets", "get"),
+    "create_pdb": ("policy", "poddisruptionbudgets", "create"),
+    "patch_pdb": ("policy", "poddisruptionbudgets", "patch"),
+    "list_pod_groups": ("scheduling.volcano.sh", "podgroups", "list"),
+    "create_pod_group": ("scheduling.volcano.sh", "podgroups", "create"),
+    "patch_pod_group": ("scheduling.volcano.sh", "podgroups", "patch"),
+    "delete_pod_group": ("scheduling.volcano.sh", "podgroups", "delete"),
+    "get_node": ("", "nodes", "get"),
+    "create_event": ("", "events", "create"),
+    "patch_pipeline": ("pipeserve.io", "inferencepipelines", "patch"),
+    "patch_pipeline_status": ("pipeserve.io", "inferencepipelines/status", "patch"),
+    "get_lease": ("coordination.k8s.io", "leases", "get"),
+    "create_lease": ("coordination.k8s.io", "leases", "create"),
+    "patch_lease": ("coordination.k8s.io", "leases", "patch"),
+}
+# kopf's own calls: the watch of the resource (the index) and the Events it posts for handler errors.
+KOPF_NEEDS = {
+    ("pipeserve.io", "inferencepipelines", "list"),
+    ("pipeserve.io", "inferencepipelines", "watch"),
+    ("", "events", "create"),
+}
+# Cluster-scoped: a ClusterRole even when the operator watches one namespace.
+CLUSTER_SCOPED = {"nodes"}
+VOLCANO = ("scheduling.volcano.sh", "v1beta1", "podgroups")
+PIPELINES = ("pipeserve.io", "v1alpha1", "inferencepipelines")
 
 
 class NotFound(Exception):
@@ -55,6 +98,8 @@ class Kube:
         self.apps = kubernetes.client.AppsV1Api(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
         self.networking = kubernetes.client.NetworkingV1Api(client)
+        self.policy = kubernetes.client.PolicyV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         def call() -> dict[str, Any]:
@@ -90,9 +135,26 @@ class Kube:
         out = await self._call(self.core.list_namespaced_pod, ns, label_selector=selector)
         return [p for p in out.get("items") or [] if _matches(p, labels)]
 
-    async def delete_pod(self, ns: str, name: str) -> bool:
-        """False when it was already gone."""
-        return await self._delete(self.core.delete_namespaced_pod, name, ns)
+    async def delete_pod(self, ns: str, name: str, force_uid: str | None = None) -> bool:
+        """False when it was already gone. `force_uid`: delete at once (grace 0), only if the pod is still
+        that one (a precondition on its uid: a pod recreated under the same name is left alone)."""
+        if force_uid is None:
+            return await self._delete(self.core.delete_namespaced_pod, name, ns)
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": force_uid}}
+        try:
+            await self._call(self.core.delete_namespaced_pod, name, ns, body=body, grace_period_seconds=0)
+        except (NotFound, Conflict):
+            return False
+        return True
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.core.read_node, name)
+        except NotFound:
+            return None
+
+    async def create_event(self, ns: str, body: dict[str, Any]) -> None:
+        await self._call(self.core.create_namespaced_event, ns, body)
 
     async def list_statefulsets(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -128,6 +190,47 @@ class Kube:
 
     async def delete_network_policy(self, ns: str, name: str) -> None:
         await self._delete(self.networking.delete_namespaced_network_policy, name, ns)
+
+    async def get_pdb(self, ns: str, name: str) -> dict[str, Any] | None:
+        return await self._read(self.policy.read_namespaced_pod_disruption_budget, name, ns)
+
+    async def create_pdb(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.policy.create_namespaced_pod_disruption_budget, ns, body)
+
+    async def patch_pdb(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        fn = self.policy.patch_namespaced_pod_disruption_budget
+        return await self._call(fn, name, ns, patch, _content_type=MERGE)
+
+    async def list_pod_groups(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        out = await self._call(
+            self.custom.list_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], label_selector=selector
+        )
+        return [g for g in out.get("items") or [] if _matches(g, labels)]
+
+    async def create_pod_group(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(
+            self.custom.create_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], body
+        )
+
+    async def patch_pod_group(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        fn = self.custom.patch_namespaced_custom_object
+        return await self._call(fn, *VOLCANO[:2], ns, VOLCANO[2], name, patch, _content_type=MERGE)
+
+    async def delete_pod_group(self, ns: str, name: str) -> None:
+        try:
+            await self._call(self.custom.delete_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], name)
+        except NotFound:
+            pass
+
+    async def patch_pipeline(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        fn = self.custom.patch_namespaced_custom_object
+        return await self._call(fn, *PIPELINES[:2], ns, PIPELINES[2], name, patch, _content_type=MERGE)
+
+    async def patch_pipeline_status(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Through the status subresource (a write to the main resource would not change status)."""
+        fn = self.custom.patch_namespaced_custom_object_status
+        return await self._call(fn, *PIPELINES[:2], ns, PIPELINES[2], name, patch, _content_type=MERGE)
 
     async def get_lease(self, ns: str, name: str) -> dict[str, Any] | None:
         return await self._read(self.coordination.read_namespaced_lease, name, ns)

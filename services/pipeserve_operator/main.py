@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: object) -> None:
-    # Progress and the last handled spec live in annotations: status belongs to the timer alone.
+    # Progress and the last handled spec live in annotations: status belongs to the reconcile loop alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pipeserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="pipeserve.io")
     # No scanning: the CRD is installed before the operator (the chart), and the watched namespaces
@@ -64,7 +64,13 @@ def configure(settings: kopf.OperatorSettings, **_: object) -> None:
 
 def make_memo(kube: Kube, drain_s: float, network_policies: bool = False) -> kopf.Memo:
     return kopf.Memo(
-        kube=kube, clock=time.time, drain_s=drain_s, drains={}, network_policies=network_policies
+        kube=kube,
+        clock=time.time,
+        drain_s=drain_s,
+        drains={},
+        network_policies=network_policies,
+        statuses={},
+        loop=None,
     )
 
 

@@ -8,8 +8,9 @@ Per pod (stage = `apps.kubernetes.io/pod-index`, else the name's ordinal suffix)
   A liveness-probe failure (a wedged stage: /livez red) makes the kubelet restart the container, so a
   wedge shows here as a restart; a container waiting in CrashLoopBackOff shows the same way;
 * deleting: the pod has a deletionTimestamp;
-* outdated: the pod's `pipeserve.io/template-hash` annotation differs from its StatefulSet's (the spec
-  changed since the pod was made; `decide` rolls the group when the operator allows it).
+* outdated: the pod's `pipeserve.io/spec-hash` annotation differs from the hash of the pipeline's
+  current spec (`objects.spec_hash`: the user's spec, not the rendered template, so an operator upgrade
+  alone rolls nothing; `decide` rolls the group when the fleet rules allow it).
 A stage that stays not Ready is left to `decide`'s startup deadline (a Ready group that loses a ready
 stage goes back to Starting with a fresh deadline), so no separate not-ready timer lives here.
 """
@@ -21,7 +22,7 @@ from typing import Any
 from pipeserve.care.restarts import GroupObservation, StageObservation, StageState
 from pipeserve_operator.resources import GENERATION_LABEL, GROUP_LABEL, POD_INDEX_LABEL
 
-HASH_ANNOTATION = "pipeserve.io/template-hash"
+HASH_ANNOTATION = "pipeserve.io/spec-hash"
 _STATES = {"Pending": StageState.PENDING, "Running": StageState.RUNNING}
 
 
@@ -47,7 +48,7 @@ def pod_group(pod: dict[str, Any]) -> int:
 
 
 def template_hash(obj: dict[str, Any]) -> str | None:
-    """The spec hash a StatefulSet or a pod carries (None: none)."""
+    """The spec hash a pod (or a pod template's metadata holder) carries (None: none)."""
     return ((obj.get("metadata") or {}).get("annotations") or {}).get(HASH_ANNOTATION)
 
 
@@ -81,6 +82,6 @@ def group_observation(
     pods: list[dict[str, Any]], world_size: int, wanted_hash: str | None = None
 ) -> GroupObservation:
     """The observation of one group from its pods (any generation; ranks outside 0..S-1 are ignored);
-    `wanted_hash`: the group's StatefulSet's spec hash (None: never outdated)."""
+    `wanted_hash`: the current spec's hash (None: never outdated)."""
     stages = [stage_observation(p, wanted_hash) for p in pods]
     return GroupObservation(world_size, tuple(s for s in stages if 0 <= s.rank < world_size))

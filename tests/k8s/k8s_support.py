@@ -21,6 +21,11 @@ NS = "ml"
 CR = "pipeserve.io/v1alpha1/inferencepipelines"
 STS, PODS, SVC = "apps/v1/statefulsets", "v1/pods", "v1/services"
 NETPOL = "networking.k8s.io/v1/networkpolicies"
+PDB, PODGROUPS, NODES = (
+    "policy/v1/poddisruptionbudgets",
+    "scheduling.volcano.sh/v1beta1/podgroups",
+    "v1/nodes",
+)
 
 
 UID = "0f5c3a52-7d0e-4a1e-9d55-6b1a3f3c2e10"
@@ -59,9 +64,12 @@ def declare_resources(k: kmock.KubernetesEmulator) -> None:
         (SVC, "Service"),
         ("v1/events", "Event"),
         (NETPOL, "NetworkPolicy"),
+        (PDB, "PodDisruptionBudget"),
+        (PODGROUPS, "PodGroup"),
     )
     for res, kind in kinds:
         k.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs={"list", "get", "create"})
+    k.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "get"})
     k.resources["coordination.k8s.io/v1/leases"] = kmock.ResourceInfo(kind="Lease", namespaced=True)
     # kopf's backbone waits for these two to be discoverable (it does not list them: scanning is off).
     k.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list"})

@@ -292,6 +292,8 @@ OPERATOR_RULES = {
     ("apps", "statefulsets"): ["get", "list", "create", "patch", "delete"],
     ("", "services"): ["get", "create", "delete"],
     ("", "pods"): ["list", "delete"],
+    ("policy", "poddisruptionbudgets"): ["get", "create", "patch"],
+    ("scheduling.volcano.sh", "podgroups"): ["list", "create", "patch", "delete"],
     ("", "events"): ["create"],
     ("networking.k8s.io", "networkpolicies"): ["get", "create", "delete"],  # with networkPolicy.enabled
     ("coordination.k8s.io", "leases"): ["get", "create", "patch"],
@@ -316,7 +318,9 @@ def _rules(role: dict) -> dict[tuple[str, str], list[str]]:
 def test_rbac_is_exactly_what_is_used(tools: Tools, watch: str) -> None:
     objects = tools.objects("--set", f"operator.watchNamespace={watch}")
     roles = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Role", "ClusterRole")}
-    assert set(roles) == {"rel-pipeserve-operator", "rel-pipeserve-router"}
+    assert set(roles) == {"rel-pipeserve-operator", "rel-pipeserve-operator-nodes", "rel-pipeserve-router"}
+    assert roles["rel-pipeserve-operator-nodes"]["kind"] == "ClusterRole"  # nodes are cluster-scoped
+    assert _rules(roles["rel-pipeserve-operator-nodes"]) == {("", "nodes"): ["get"]}
     op = roles["rel-pipeserve-operator"]
     assert op["kind"] == ("Role" if watch else "ClusterRole")
     assert op["metadata"].get("namespace") == (watch or None)
@@ -324,7 +328,12 @@ def test_rbac_is_exactly_what_is_used(tools: Tools, watch: str) -> None:
     assert _rules(roles["rel-pipeserve-router"]) == ROUTER_RULES
     bindings = [o for o in objects if o["kind"].endswith("Binding")]
     assert sorted((b["kind"], b["roleRef"]["kind"], b["subjects"][0]["name"]) for b in bindings) == [
-        (op["kind"] + "Binding", op["kind"], "rel-pipeserve-operator"),
+        *sorted(
+            [
+                (op["kind"] + "Binding", op["kind"], "rel-pipeserve-operator"),
+                ("ClusterRoleBinding", "ClusterRole", "rel-pipeserve-operator"),
+            ]
+        ),
         ("RoleBinding", "Role", "rel-pipeserve-router"),
     ]
     deployment = next(
@@ -358,7 +367,9 @@ def test_network_policies(tools: Tools) -> None:
         o for o in off if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("operator")
     )
     assert "--network-policies" not in operator["spec"]["template"]["spec"]["containers"][0]["args"]
-    role = next(o for o in off if o["kind"] == "ClusterRole")
+    role = next(
+        o for o in off if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "rel-pipeserve-operator"
+    )
     assert ("networking.k8s.io", "networkpolicies") not in _rules(role)
 
 

@@ -275,3 +275,46 @@ def _all_ranks(obs: GroupObservation) -> tuple[int, ...]:
 
 def _replace(record: GroupRecord, **changes: object) -> GroupRecord:
     return dataclasses.replace(record, **changes)  # type: ignore[arg-type]
+
+
+# Fleet rules: which group may roll now, and whether a surge group is wanted. Pure, like `decide`; the
+# operator calls them once per tick over every group it runs (`pipeserve up` runs one spec: no rolls).
+
+
+@dataclass(frozen=True)
+class FleetGroup:
+    """One group of a fleet as the fleet rules see it."""
+
+    index: int
+    phase: Phase
+    outdated: bool = False  # its stages run an older spec than the caller now wants
+    surge: bool = False  # it was started as a rollout's surge group (not a group left by a scale-down)
+
+
+def max_surge(replicas: int, requested: int | None) -> int:
+    """The surge groups a rollout may add: the request (0 or 1); unset, 1 for one group, else 0 (a lone
+    group rolling in place would leave no group serving)."""
+    if requested is None:
+        return 1 if replicas == 1 else 0
+    if requested not in (0, 1):
+        raise ValueError(f"rollout.maxSurge: must be 0 or 1 (got {requested})")
+    return requested
+
+
+def may_roll(index: int, fleet: list[FleetGroup]) -> bool:
+    """Group `index` may be taken down for a planned restart now: every other group (a surge group
+    included) is Ready, so capacity drops by one group at most and some group always serves."""
+    return all(g.phase is Phase.READY for g in fleet if g.index != index)
+
+
+def want_surge(replicas: int, surge: int, fleet: list[FleetGroup]) -> bool:
+    """A surge group (index = replicas) is wanted while a rollout is under way: a regular group is
+    outdated, or a surge group exists and a regular group has not come back Ready since it rolled (a
+    group left over from a scale-down is no surge group: it never keeps a surge wanted)."""
+    if surge < 1:
+        return False
+    regular = [g for g in fleet if g.index < replicas]
+    surging = any(g.surge and g.index >= replicas for g in fleet)
+    if any(g.outdated for g in regular):
+        return True
+    return surging and any(g.phase is not Phase.READY for g in regular)

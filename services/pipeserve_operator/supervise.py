@@ -1,0 +1,293 @@
+"""One tick of one pipeline: ensure its objects, supervise its groups, scale down, free stuck pods,
+write its status. `handlers.py` calls `tick` every TICK_S for every pipeline kopf's index holds.
+
+Order within a tick (each step needs the previous one done):
+1. The finalizer an older operator version left (kopf's timer marker) is removed: nothing of this
+   operator blocks a deletion. A pipeline being deleted is left to the garbage collector.
+2. Every wanted group's objects (groups 0..replicas-1, plus the surge group `replicas` while a rollout
+   wants one: `care.restarts.want_surge`), the PodDisruptionBudget and the PodGroups are ensured.
+3. Each group: observe its pods, `decide`, act (groups.act). A group may roll (its pods carry an older
+   `pipeserve.io/spec-hash`) only when `care.restarts.may_roll` allows it.
+4. Groups no longer wanted leave status.groups (the router stops routing to them) first; their
+   objects are deleted, highest index first, `drain_s` after that.
+5. A group pod Terminating 30 s past its grace period on a node that is NotReady, Unknown or gone is
+   deleted with grace 0 (preconditioned on its uid), with an Event and `status.forcedDeletions`.
+6. Status, through the status subresource (this loop is its only writer). `observedGeneration` is the
+   generation whose objects were all ensured in step 2 (an exception before skips the write);
+   `Ready` is True only when that generation is observed and every group 0..replicas-1 is Ready on the
+   current spec, and no other group remains: `kubectl wait --for=condition=Ready` after an apply
+   never returns mid-rollout (the conditions carry `observedGeneration` too, which kubectl compares).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from pipeserve.care.restarts import FleetGroup, Phase, RestartPolicy, decide, max_surge, may_roll, want_surge
+from pipeserve_operator import groups
+from pipeserve_operator.crd import with_defaults
+from pipeserve_operator.kube import Conflict, Kube, NotFound
+from pipeserve_operator.observe import group_observation, pod_group
+from pipeserve_operator.objects import (
+    ensure_group,
+    ensure_pdb,
+    ensure_pod_groups,
+    is_surge,
+    spec_hash,
+)
+from pipeserve_operator.resources import (
+    GROUP_LABEL,
+    SpecError,
+    group_name,
+    pipeline_selector,
+    selector_string,
+    stage_statefulset,
+)
+
+LEGACY_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
+STUCK_AFTER_S = 30.0
+
+
+def _entries(status: Any) -> dict[int, dict[str, Any]]:
+    return {int(g["index"]): dict(g) for g in (status or {}).get("groups") or [] if "index" in g}
+
+
+def _policy(spec: dict[str, Any]) -> RestartPolicy:
+    return RestartPolicy(
+        startup_deadline_s=float(spec["startupDeadlineSeconds"]),
+        backoff_s=float(spec["restartBackoffSeconds"]),
+        backoff_max_s=max(float(spec["restartBackoffMaxSeconds"]), float(spec["restartBackoffSeconds"])),
+    )
+
+
+def _condition(kind: str, ok: bool, reason: str, message: str, previous: dict, now: str, gen: Any) -> dict:
+    value = "True" if ok else "False"
+    old = previous.get(kind) or {}
+    since = old.get("lastTransitionTime") if old.get("status") == value else None
+    out = {"type": kind, "status": value, "reason": reason, "message": message}
+    out["lastTransitionTime"] = since or now
+    if gen is not None:
+        out["observedGeneration"] = gen
+    return out
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+async def _node_ready(kube: Kube, name: str | None) -> bool:
+    node = await kube.get_node(name) if name else None
+    if node is None:
+        return False
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+async def free_stuck_pods(kube: Kube, pipeline: dict, pods: list[dict[str, Any]], now: float) -> int:
+    """Force-delete the group pods stuck Terminating on a lost node; returns how many."""
+    forced = 0
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        stamp = meta.get("deletionTimestamp")
+        # deletionTimestamp = when the delete was asked + the grace period: 30 s past the grace period.
+        if not stamp or now < _epoch(stamp) + STUCK_AFTER_S:
+            continue
+        node = (pod.get("spec") or {}).get("nodeName")
+        if await _node_ready(kube, node):
+            continue  # the kubelet is alive and will finish the termination
+        if await kube.delete_pod(meta["namespace"], meta["name"], force_uid=meta.get("uid")):
+            forced += 1
+            why = (
+                f"pod {meta['name']} stuck Terminating on node {node or '(none)'} (NotReady or gone): forced"
+            )
+            await groups.post_event(kube, pipeline, "Warning", "ForcedDeletion", why)
+    return forced
+
+
+@dataclasses.dataclass
+class Tick:
+    """What one tick saw and decided, for the status."""
+
+    entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    restarts: int = 0
+    updated: int = 0
+    present: set[int] = dataclasses.field(default_factory=set)
+    unensured: str = ""  # why an object of this generation could not be ensured (not observed)
+
+
+async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | None:
+    """Reconcile `pipeline` once; returns the status written (None: none written)."""
+    kube: Kube = memo.kube
+    meta = pipeline["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    finalizers = list(meta.get("finalizers") or [])
+    if LEGACY_FINALIZER in finalizers:
+        # A merge patch replaces the list: the resourceVersion makes it fail (Conflict: next tick) rather
+        # than drop a finalizer someone else added meanwhile.
+        rest = [f for f in finalizers if f != LEGACY_FINALIZER]
+        patch = {"metadata": {"finalizers": rest or None, "resourceVersion": meta.get("resourceVersion")}}
+        try:
+            await kube.patch_pipeline(ns, name, patch)
+        except Conflict:
+            return None
+    if meta.get("deletionTimestamp"):
+        return None
+    full = with_defaults(pipeline["spec"])
+    replicas, stages, now, digest = int(full["replicas"]), int(full["stages"]), memo.clock(), spec_hash(full)
+    problem, surge = "", 0
+    try:
+        stage_statefulset(pipeline, 0, 1)
+        surge = max_surge(replicas, (full.get("rollout") or {}).get("maxSurge"))
+    except (SpecError, ValueError) as e:
+        problem = str(e)
+    entries = _entries(status)
+    pods = await kube.list_pods(ns, pipeline_selector(pipeline))
+    sets = {
+        int(s["metadata"]["labels"][GROUP_LABEL]): s
+        for s in await kube.list_statefulsets(ns, pipeline_selector(pipeline))
+    }
+    records = {i: groups.load_record(entries.get(i), digest) for i in set(sets) | set(range(replicas))}
+    by_group = {i: [p for p in pods if pod_group(p) == i] for i in records}
+    observed = {i: group_observation(by_group[i], stages, digest) for i in records}
+
+    def outdated(i: int) -> bool:
+        return any(s.outdated for s in observed[i].stages if s.generation == records[i].generation)
+
+    fleet = [FleetGroup(i, records[i].phase, outdated(i), is_surge(s)) for i, s in sorted(sets.items())]
+    wanted = list(range(replicas))
+    if not problem and want_surge(replicas, surge, fleet):
+        wanted.append(replicas)
+        records.setdefault(replicas, groups.load_record(entries.get(replicas), digest))
+        observed.setdefault(replicas, group_observation(by_group.get(replicas, []), stages, digest))
+    extra = sorted(set(sets) - set(wanted))
+    seen = Tick(present=set(sets))
+    if not problem:
+        for i in wanted:
+            stopped = records[i].phase in (Phase.RESTARTING, Phase.FAILED)
+            live, surge_group = sets.get(i), i >= replicas
+            await ensure_group(
+                kube, pipeline, i, records[i].generation, live, memo.network_policies, stopped, surge_group
+            )
+        await ensure_pdb(kube, pipeline)
+        try:
+            await ensure_pod_groups(kube, pipeline, wanted + extra)
+        except NotFound:  # the groups still run (unscheduled gangs are the scheduler's business)
+            seen.unensured = (
+                "placement.gang volcano: the PodGroup API (scheduling.volcano.sh/v1beta1) is not served"
+            )
+        seen.present |= set(wanted)
+    await _supervise(memo, pipeline, full, wanted, records, observed, by_group, entries, seen, problem)
+    await _scale_down(memo, pipeline, extra, entries, wanted)
+    forced = await free_stuck_pods(kube, pipeline, pods, now)
+    new = _status(pipeline, full, status, seen, problem, forced, now)
+    await kube.patch_pipeline_status(ns, name, {"status": new})
+    return new
+
+
+async def _supervise(
+    memo: Any,
+    pipeline: dict,
+    full: dict,
+    wanted: list[int],
+    records: dict,
+    observed: dict,
+    by_group: dict,
+    entries: dict,
+    seen: Tick,
+    problem: str,
+) -> None:
+    now, digest, stages = memo.clock(), spec_hash(full), int(full["stages"])
+    for index in wanted:
+        record = records[index]
+        if not problem and index in seen.present:
+            fleet = [FleetGroup(i, records[i].phase) for i in sorted(seen.present) if i in records]
+            obs = dataclasses.replace(observed[index], may_roll=may_roll(index, fleet))
+            decision = decide(record, obs, _policy(full), now)
+            records[index] = decision.record
+            await groups.act(memo.kube, pipeline, index, stages, decision, by_group.get(index, []))
+            seen.restarts += decision.record.restarts - record.restarts
+            record = decision.record
+        current = [s for s in observed[index].stages if s.generation == record.generation]
+        if index < int(full["replicas"]) and len(current) == stages and not any(s.outdated for s in current):
+            seen.updated += 1
+        seen.entries.append(groups.group_status(pipeline, index, record, entries.get(index), now, digest))
+
+
+async def _scale_down(memo: Any, pipeline: dict, extra: list[int], entries: dict, wanted: list[int]) -> None:
+    """Groups not wanted go once they left routing (the previous status) and `drain_s` passed since."""
+    if not extra or any(i not in wanted for i in entries):
+        return
+    ns, kube = pipeline["metadata"]["namespace"], memo.kube
+    key = (pipeline["metadata"].get("uid"), tuple(extra))
+    if memo.clock() - memo.drains.setdefault(key, memo.clock()) < memo.drain_s:
+        return
+    memo.drains.pop(key, None)
+    for index in reversed(extra):
+        await kube.delete_statefulset(ns, group_name(pipeline, index))
+        await kube.delete_service(ns, group_name(pipeline, index))
+        if memo.network_policies:
+            await kube.delete_network_policy(ns, group_name(pipeline, index))
+    # Their PodGroups go on the next tick (ensure_pod_groups: no StatefulSet, no PodGroup).
+
+
+def _status(
+    pipeline: dict, full: dict, status: dict, seen: Tick, problem: str, forced: int, now: float
+) -> dict[str, Any]:
+    replicas, generation = int(full["replicas"]), pipeline["metadata"].get("generation")
+    entries = seen.entries
+    ready = sum(1 for e in entries if e["ready"])
+    regular_ready = sum(1 for e in entries if e["ready"] and e["index"] < replicas)
+    failed = [e["index"] for e in entries if e["phase"] == Phase.FAILED.value]
+    previous = {c.get("type"): c for c in status.get("conditions") or []}
+    stamp = groups.rfc3339(now)
+    blocked = problem or seen.unensured
+    observed = status.get("observedGeneration") if blocked else generation
+    current = observed == generation and not blocked
+    settled = (
+        current
+        and regular_ready == replicas
+        and seen.updated == replicas
+        and {e["index"] for e in entries} == set(range(replicas))
+        and seen.present == set(range(replicas))
+    )
+    degraded = bool(blocked or failed)
+    why = blocked or (f"groups {failed} failed" if failed else "")
+    last_failure = problem or next((e["lastFailure"] for e in entries if e["lastFailure"]), "")
+    out: dict[str, Any] = {
+        "replicas": len([e for e in entries if e["index"] in seen.present]),
+        "updatedReplicas": seen.updated,
+        "readyReplicas": ready,
+        "restarts": int(status.get("restarts") or 0) + seen.restarts,
+        "forcedDeletions": int(status.get("forcedDeletions") or 0) + forced,
+        "lastFailure": last_failure or status.get("lastFailure") or "",
+        "selector": selector_string(pipeline_selector(pipeline)),
+        "groups": entries,
+        "conditions": [
+            _condition(
+                "Ready",
+                settled,
+                "AllGroupsReady" if settled else "GroupsNotReady",
+                f"{regular_ready}/{replicas} groups ready, {seen.updated}/{replicas} on the current spec",
+                previous,
+                stamp,
+                generation,
+            ),
+            _condition(
+                "Progressing", not settled and not degraded, "Reconciling", "", previous, stamp, generation
+            ),
+            _condition(
+                "Degraded",
+                degraded,
+                "InvalidSpec" if problem else "PodGroupsUnavailable" if seen.unensured else "GroupFailed",
+                why,
+                previous,
+                stamp,
+                generation,
+            ),
+        ],
+    }
+    if observed is not None:
+        out["observedGeneration"] = observed
+    return out
