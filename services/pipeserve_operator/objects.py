@@ -34,17 +34,10 @@ from pipeserve_operator.resources import (
     group_selector,
     owner_reference,
     pipeline_selector,
+    pod_group_name,
     stage_service,
     stage_statefulset,
 )
-
-try:  # the pod builder names the PodGroup its pods join; the same rule until it exists
-    from pipeserve_operator.resources import pod_group_name  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover
-
-    def pod_group_name(pipeline: dict, index: int) -> str:
-        return f"{group_name(pipeline, index)}"
-
 
 # Spec fields that never change what a group runs: how many groups, how they roll, the router, backoffs.
 _NOT_ROLLED = ("replicas", "rollout", "router", "restartBackoffSeconds", "restartBackoffMaxSeconds")

@@ -29,7 +29,6 @@ from pipeserve.care.restarts import FleetGroup, Phase, RestartPolicy, decide, ma
 from pipeserve_operator import groups
 from pipeserve_operator.crd import with_defaults
 from pipeserve_operator.kube import Conflict, Kube, NotFound
-from pipeserve_operator.observe import group_observation, pod_group
 from pipeserve_operator.objects import (
     ensure_group,
     ensure_pdb,
@@ -37,6 +36,7 @@ from pipeserve_operator.objects import (
     is_surge,
     spec_hash,
 )
+from pipeserve_operator.observe import group_observation, pod_group
 from pipeserve_operator.resources import (
     GROUP_LABEL,
     SpecError,

@@ -47,6 +47,8 @@ def test_operator_disabled_renders_no_operator(tools: Tools) -> None:
     deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
     assert deployments == {"rel-pipeserve-router", "rel-pipeserve-redis"}
     assert {o["kind"] for o in objects} >= {"InferencePipeline", "Service"}
+    operator_rbac = [o for o in objects if "-operator" in o["metadata"]["name"]]
+    assert operator_rbac == [], [f"{o['kind']}/{o['metadata']['name']}" for o in operator_rbac]
     on = tools.objects(*EXAMPLE)
     assert "rel-pipeserve-operator" in {o["metadata"]["name"] for o in on if o["kind"] == "Deployment"}
 
