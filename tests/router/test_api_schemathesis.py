@@ -52,6 +52,9 @@ DEPLOYMENT_LIMITS = (
     "outside the vocabulary",
     "the prompt is empty",
     "is too large",
+    # structured outputs: what the group's grammar compiler refuses, one kind per request
+    "does not compile",
+    "only one structured output",
 )
 
 STATUSES: Counter[tuple[str, int]] = Counter()  # (generation mode, status): reported after the run
