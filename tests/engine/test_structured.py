@@ -140,9 +140,18 @@ def test_structured_survives_preemption(llama_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_structured_rows_match_hf_with_xgrammar_two_stages(llama_dir: Path) -> None:
-    with LLM(str(llama_dir), stages=2, max_model_len=256, num_kv_blocks=128) as llm:
+@pytest.mark.parametrize("stages", [2, 3])
+def test_structured_rows_match_hf_with_xgrammar_in_a_pipeline(llama_dir: Path, stages: int) -> None:
+    """The last stage (another process) holds the matchers; stage 0 only compiles."""
+    with LLM(str(llama_dir), stages=stages, max_model_len=256, num_kv_blocks=128) as llm:
         _check_batch(llm, llama_dir, seed=33)
+
+
+@pytest.mark.slow
+def test_structured_survives_preemption_in_a_pipeline(llama_dir: Path) -> None:
+    with LLM(str(llama_dir), stages=2, max_model_len=96, num_kv_blocks=8, enable_prefix_caching=False) as llm:
+        _check_batch(llm, llama_dir, seed=35, copies=2)
+        assert llm.engine.scheduler.num_preemptions > 0, "pool was large enough: no preemption"
 
 
 def test_ended_grammar_finishes_even_with_ignore_eos(llama_dir: Path) -> None:
