@@ -20,7 +20,10 @@ def _n(schema: dict) -> dict:
 
 def _schema(what: str) -> dict:
     return {
-        "anyOf": [{"type": "object"}, {"type": "string", "description": "a JSON Schema as JSON text"}],
+        "anyOf": [
+            {"type": "object"},
+            {"type": "string", "minLength": 1, "description": "a JSON Schema as JSON text"},
+        ],
         "description": f"{what}. {_COMPILES}",
     }
 

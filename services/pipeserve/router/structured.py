@@ -38,14 +38,10 @@ def _get(obj: dict, key: str) -> Any:
 
 
 def _schema_text(v: Any, param: str) -> str:
-    """A JSON Schema given as an object or a JSON string -> its canonical text (key order kept)."""
+    """A JSON Schema given as an object (-> its JSON text, key order kept) or as JSON text (kept:
+    whether it parses and compiles is stage 0's check, as any schema's)."""
     if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError:
-            raise errors.invalid(
-                param, "must be a JSON Schema (an object, or a string holding one)"
-            ) from None
+        return _string(v, param)
     if not isinstance(v, dict):
         raise errors.invalid(param, "must be a JSON Schema object")
     try:
