@@ -175,3 +175,26 @@ def test_spec_that_does_not_compile_is_refused_before_admission(
         llm.generate([[1, 2, 3]], _params(kind, text, False))
     assert err.value.param == "structured"
     assert not llm.engine.has_unfinished() and llm.engine.num_free_blocks == free
+
+
+def test_matcher_masks_its_row_only_and_a_rejected_token_fails_its_request(llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from pipeserve.engine.grammar import GrammarBook, GrammarRows
+
+    cfg = ModelConfig.from_dir(str(llama_dir), torch.float32)
+    digit = AutoTokenizer.from_pretrained(str(llama_dir)).encode("7", add_special_tokens=False)[0]
+    rows = GrammarRows(GrammarBook(llama_dir, cfg.vocab_size, cfg.eos_token_ids))
+    rows.admit("a", "choice", json.dumps(["ab"]), False, [])
+    rows.admit("b", "regex", "[a-z]+", False, [digit])  # a replay the grammar refuses
+    logits = torch.zeros(3, cfg.vocab_size)
+    failures = rows.mask(logits, ["free", "a", "b"], [0, 0, 1])
+    assert set(failures) == {"b"} and "replayed" in failures["b"]
+    assert torch.equal(logits[0], torch.zeros(cfg.vocab_size)), "an unconstrained row was masked"
+    assert 0 < int(torch.isfinite(logits[1]).sum()) < cfg.vocab_size
+    assert not bool(torch.isfinite(logits[1, digit]))
+    ended, why = rows.advance("a", digit)
+    assert not ended and why is not None and "not accepted" in why
+    rows.drop("a")
+    rows.drop("b")
+    assert not rows.rows
