@@ -1040,6 +1040,41 @@ MUTANTS = [
         '    verbs: ["get", "create"]\n  - apiGroups: ["scheduling.volcano.sh"]',
         "tests/k8s/test_operator_rbac.py",
     ),
+    (
+        "structured outputs: the grammar's token mask is not applied",
+        "services/pipeserve/engine/grammar.py",
+        "            xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=vocab)",
+        "            pass",
+        "tests/engine/test_structured.py::test_structured_rows_match_hf_with_xgrammar_one_stage",
+    ),
+    (
+        "structured outputs: a re-admitted request's matcher is not replayed from its outputs",
+        "services/pipeserve/engine/grammar.py",
+        "        for t in outputs:",
+        "        for t in outputs[:0]:",
+        "tests/engine/test_structured.py::test_structured_survives_preemption",
+    ),
+    (
+        "structured outputs: the mask lands on the first rows, not the constrained ones",
+        "services/pipeserve/engine/grammar.py",
+        "            logits[rows] = sub.to(logits.dtype)",
+        "            logits[list(range(len(rows)))] = sub.to(logits.dtype)",
+        "tests/engine/test_structured.py::test_structured_rows_match_hf_with_xgrammar_one_stage",
+    ),
+    (
+        "structured outputs: ignore_eos runs past an ended grammar",
+        "services/pipeserve/engine/scheduler.py",
+        "            reason = FinishReason.STOP if tok.grammar_end else self._stop_reason(req, tok.token_id)",
+        "            reason = self._stop_reason(req, tok.token_id)",
+        "tests/engine/test_structured.py::test_ended_grammar_finishes_even_with_ignore_eos",
+    ),
+    (
+        "structured outputs: a spec that does not compile is admitted",
+        "services/pipeserve/engine/engine.py",
+        "        if params.structured_kind and self.runner.grammar_book is not None:",
+        "        if False:",
+        "tests/engine/test_structured.py::test_spec_that_does_not_compile_is_refused_before_admission",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -28,7 +28,12 @@ NON_DEFAULT = {
     "stop_token_ids": [1, 2],
     "ignore_eos": True,
     "logprobs": 20,
+    "structured_kind": "regex",
+    "structured": "[a-z]+",
+    "structured_compact": True,
 }
+# Read from other JSON fields (router/structured.py): response_format, guided_*, structured_outputs.
+STRUCTURED = {"structured_kind", "structured", "structured_compact"}
 
 
 def test_every_field_has_a_non_default_sample() -> None:
@@ -64,11 +69,13 @@ def test_a_bad_proto_is_an_invalid_request_naming_the_field() -> None:
 
 
 def test_every_field_is_read_from_the_json_body() -> None:
-    body = {"prompt": "x", **NON_DEFAULT}
+    plain = {k: v for k, v in NON_DEFAULT.items() if k not in STRUCTURED}
+    so = {"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}}
+    body = {"prompt": "x", **plain, **so}
     got = parse_completion(body).params
     assert {k: getattr(got, k) for k in NON_DEFAULT} == NON_DEFAULT
     chat = parse_chat(
-        {"messages": [{"role": "user", "content": "x"}], **NON_DEFAULT, "logprobs": True, "top_logprobs": 20}
+        {"messages": [{"role": "user", "content": "x"}], **plain, **so, "logprobs": True, "top_logprobs": 20}
     ).params
     assert {k: getattr(chat, k) for k in NON_DEFAULT} == NON_DEFAULT
 

@@ -142,7 +142,7 @@ def test_chat_template_flag_serves_chat(llama_dir: Path, tmp_path: Path) -> None
         ("/v1/completions", {"prompt": "a\ud800"}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
         ("/v1/completions", {"prompt": "hi", "stop": "\udfff"}, "stop"),
-        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"prompt": [5, 6], "max_tokens": 63}, "max_tokens"),
         ("/v1/completions", {"prompt": [5, 6], "max_tokens": 10**30}, "max_tokens"),

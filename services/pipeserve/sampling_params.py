@@ -54,6 +54,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
+    # Structured outputs (engine/grammar.py): "" (off), "json", "json_object", "regex", "choice"
+    # or "grammar"; `structured` is its text (a schema, regex, JSON list of choices, EBNF);
+    # `structured_compact`: JSON without free whitespace (vLLM's disable_any_whitespace).
+    structured_kind: str = ""
+    structured: str = ""
+    structured_compact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,10 +99,27 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"must be a boolean, got {_show(self.ignore_eos)}")
+        _check_structured(self, fail)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 256 * 1024
+
+
+def _check_structured(p: SamplingParams, fail: Any) -> None:
+    """The shape of a structured spec (whether it compiles is stage 0's check: engine/grammar.py)."""
+    if not isinstance(p.structured_kind, str) or p.structured_kind not in ("", *STRUCTURED_KINDS):
+        fail("structured", f"unknown kind {_show(p.structured_kind)}")
+    if not isinstance(p.structured, str) or len(p.structured) > MAX_STRUCTURED_CHARS:
+        fail("structured", f"must be a string of at most {MAX_STRUCTURED_CHARS} characters")
+    if not isinstance(p.structured_compact, bool):
+        fail("structured_compact", "must be a boolean")
+    if p.structured_kind in ("json", "regex", "choice", "grammar") and not p.structured:
+        fail("structured", f"a {p.structured_kind} constraint must not be empty")
 
 
 def default_of(f: Field) -> Any:

@@ -98,6 +98,18 @@ MESSAGE = st.fixed_dictionaries(
         "content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})) | ANY
     },
 )
+SCHEMA = (
+    st.sampled_from(
+        [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "string", "enum": ["x", "y"]},
+            '{"type": "integer"}',
+            {"type": "nonsense"},
+            "{not json",
+        ]
+    )
+    | ANY
+)
 SAMPLING = {
     "model": st.just(NAME) | TEXT | ANY,
     "max_tokens": INTS,
@@ -115,7 +127,30 @@ SAMPLING = {
     "frequency_penalty": FLOATS,
     "presence_penalty": FLOATS,
     "logit_bias": ANY,
-    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}) | ANY,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
+    | st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries({"name": TEXT, "schema": SCHEMA}),
+        }
+    )
+    | ANY,
+    # Structured outputs (router/structured.py): vLLM's guided_* and structured_outputs.
+    "guided_json": SCHEMA,
+    "guided_regex": st.sampled_from(["[a-z]{1,5}", "(", "a*", "\\d+"]) | ANY,
+    "guided_choice": st.lists(TEXT, max_size=3) | ANY,
+    "guided_grammar": st.sampled_from(['root ::= "a" | "b"', "root ::= ", "x"]) | ANY,
+    "structured_outputs": st.fixed_dictionaries(
+        {},
+        optional={
+            "json": SCHEMA,
+            "regex": st.sampled_from(["[0-9]+", ")"]) | ANY,
+            "choice": st.lists(TEXT, max_size=2) | ANY,
+            "json_object": st.booleans() | ANY,
+            "disable_any_whitespace": st.booleans() | ANY,
+        },
+    )
+    | ANY,
     "return_token_ids": st.booleans() | ANY,
     "add_special_tokens": st.booleans() | ANY,
     "user": TEXT,

@@ -58,6 +58,9 @@ DEPLOYMENT_LIMITS = (
     "duplicates the name of an earlier tool",
     "must be a JSON text",
     "differs from another tool's",
+    # structured outputs: what the group's grammar compiler refuses, one kind per request
+    "does not compile",
+    "only one structured output",
 )
 
 STATUSES: Counter[tuple[str, int]] = Counter()  # (generation mode, status): reported after the run

@@ -67,7 +67,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({"model": "m\ud800"}, "model"),
         ({"stop": ["\ud800"]}, "stop"),
         # Fields we do not implement are refused, not ignored.
-        ({"response_format": {"type": "text"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"add_special_tokens": 1}, "add_special_tokens"),
@@ -189,7 +189,7 @@ def test_max_tokens_beyond_the_context_names_the_field_sent() -> None:
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"n": 3}, "n"),
         ({"presence_penalty": 1}, "presence_penalty"),
     ],

@@ -87,6 +87,10 @@ class LLMEngine:
         if params.max_tokens is None:  # "up to the context": the caller resolves it against the prompt
             raise InvalidRequestError("max_tokens", "must be resolved first (resolve_max_tokens)")
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
+        if params.structured_kind and self.runner.grammar_book is not None:  # cached: stage/server.py
+            self.runner.grammar_book.check(
+                params.structured_kind, params.structured, params.structured_compact
+            )
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None

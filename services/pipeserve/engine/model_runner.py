@@ -25,8 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import torch
 
+from pipeserve.engine.grammar import GrammarBook, GrammarRows
 from pipeserve.engine.plan import (
     LoadAck,
     RequestFailure,
@@ -141,6 +143,9 @@ class ModelRunner:
         # Per-chunk check before execution: a reason to fail the chunk's request, or None (faults.py).
         self.request_check: Callable[[ScheduledChunk], str | None] | None = None
         self.tiers: CacheMoves | None = None
+        # Structured outputs: set on stage 0 (checks) and the last stage (matchers) by build_stage.
+        self.grammar_book: GrammarBook | None = None
+        self.grammar: GrammarRows | None = None
 
     # --- plan -> state ------------------------------------------------------
     def apply(self, plan: StepPlan) -> int:
@@ -149,6 +154,8 @@ class ModelRunner:
         if digest != plan.digest:
             raise PlanMismatch(f"step {plan.step_id}: digest {digest:#x} != plan's {plan.digest:#x}")
         for rid in plan.freed:
+            if self.grammar is not None:
+                self.grammar.drop(rid)
             gone = self.reqs.pop(rid, None)
             if gone is None:
                 raise PlanMismatch(f"step {plan.step_id}: freed unknown request {rid!r}")
@@ -161,6 +168,11 @@ class ModelRunner:
             if new.req_id in self.reqs:
                 raise PlanMismatch(f"step {plan.step_id}: new request {new.req_id!r} already known")
             self.reqs[new.req_id] = _ReqState(new.sampling, [])
+            sp = new.sampling
+            if sp.structured_kind and self.grammar is not None:  # rebuilt at every admission
+                self.grammar.admit(
+                    new.req_id, sp.structured_kind, sp.structured, sp.structured_compact, new.replay
+                )
         for c in plan.chunks:
             st = self.reqs.get(c.req_id)
             if st is None:
@@ -295,8 +307,24 @@ class ModelRunner:
             return [], []
         logits = self.model.compute_logits(hidden[step.sample_rows[rows]])
         req_ids = [step.sample_req_ids[i] for i in rows]
+        indices = [step.sample_indices[i] for i in rows]
+        if self.grammar is None or not self.grammar.rows:  # no constrained request: no mask, no copy
+            return self.sampler(logits, req_ids, [self.reqs[r].sampling for r in req_ids], indices)
+        # --- structured outputs (engine/grammar.py): mask constrained rows, advance their matchers
+        bad = self.grammar.mask(logits, req_ids, indices)
+        keep = [j for j, r in enumerate(req_ids) if r not in bad]
+        req_ids = [req_ids[j] for j in keep]
         specs = [self.reqs[r].sampling for r in req_ids]
-        return self.sampler(logits, req_ids, specs, [step.sample_indices[i] for i in rows])
+        tokens, failures = self.sampler(logits[keep], req_ids, specs, [indices[j] for j in keep])
+        failures += [RequestFailure(r, why) for r, why in bad.items()]
+        out = []
+        for tok in tokens:
+            ended, why = self.grammar.advance(tok.req_id, tok.token_id)
+            if why is not None:
+                failures.append(RequestFailure(tok.req_id, why))
+            else:
+                out.append(msgspec.structs.replace(tok, grammar_end=True) if ended else tok)
+        return out, failures
 
     def _check_requests(self, plan: StepPlan) -> list[RequestFailure]:
         if self.request_check is None:

@@ -31,6 +31,10 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     min_p: float
     seed: int | None
     logprobs: int | None
+    # Structured outputs (engine/grammar.py): kind ("" off), text, no free JSON whitespace.
+    structured_kind: str = ""
+    structured: str = ""
+    structured_compact: bool = False
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -38,6 +42,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
 
     req_id: str
     sampling: SamplingSpec
+    # A constrained request's output tokens so far: the last stage replays them into a fresh
+    # grammar matcher at every admission (empty for unconstrained requests).
+    replay: list[int] = []
 
 
 class ScheduledChunk(msgspec.Struct, array_like=True, frozen=True):
@@ -115,6 +122,7 @@ class SampledToken(msgspec.Struct, array_like=True, frozen=True):
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    grammar_end: bool = False  # the request's grammar terminated with this token: it finishes (stop)
 
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):

@@ -63,6 +63,9 @@ def sampling_spec(req: Request) -> SamplingSpec:
         float(p.min_p),
         None if p.seed is None else int(p.seed),
         None if p.logprobs is None else int(p.logprobs),
+        str(p.structured_kind),
+        str(p.structured),
+        bool(p.structured_compact),
     )
 
 
@@ -225,7 +228,9 @@ class Scheduler:
             req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            new_reqs.append(NewRequest(req.req_id, sampling_spec(req)))
+            # A constrained request's matcher is rebuilt from its outputs (engine/grammar.py).
+            replay = list(req.output_token_ids) if req.params.structured_kind else []
+            new_reqs.append(NewRequest(req.req_id, sampling_spec(req), replay))
             req.in_executors = True
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n
@@ -334,7 +339,8 @@ class Scheduler:
             req.output_token_ids.append(tok.token_id)
             if req.params.logprobs is not None:
                 req.output_logprobs.append((tok.logprob, tok.top_logprobs))
-            reason = self._stop_reason(req, tok.token_id)
+            # The grammar ended: stop, whatever ignore_eos says (engine/grammar.py).
+            reason = FinishReason.STOP if tok.grammar_end else self._stop_reason(req, tok.token_id)
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)

@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.grammar import GrammarBook, GrammarRows
 from pipeserve.engine.kv_cache import allocate_pool
 from pipeserve.engine.model_runner import ModelRunner, PlanMismatch
 from pipeserve.engine.plan import SampledToken, ScheduledChunk, StageReport, StepPlan, plan_digest, seal
@@ -124,7 +125,10 @@ class _Group:
             spec = StageSpec(rank, dump.stages, lo, hi)
             stage_model = load_stage_model(model, cfg, spec, s.max_model_len, cpu)
             pool = allocate_pool(cfg, spec.num_layers, num_blocks, s.block_size, cpu)
-            self.runners.append(ModelRunner(stage_model, pool, s.block_size, s.seed, rank))
+            runner = ModelRunner(stage_model, pool, s.block_size, s.seed, rank)
+            if spec.is_last:  # structured outputs are masked here, as in the group (engine/grammar.py)
+                runner.grammar = GrammarRows(GrammarBook(model, cfg.vocab_size, cfg.eos_token_ids))
+            self.runners.append(runner)
 
     def run(self, plan: StepPlan) -> tuple[list[StageReport], list[int | None], list[SampledToken]]:
         """Reports, activation digests (None on the last stage) and sampled tokens of one plan."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.grammar import GrammarBook, GrammarRows
 from pipeserve.engine.kv_cache import allocate_pool, kv_dtype, num_host_slots, num_kv_blocks
 from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.errors import ConfigError
@@ -143,6 +144,10 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device, pool_dtype)
     runner = ModelRunner(model, pool, config.block_size, config.seed, rank)
     runner.request_check = faults.request_check(rank)
+    # Structured outputs: stage 0 compiles before admission, the last stage holds the matchers.
+    book = GrammarBook(config.model, cfg.vocab_size, cfg.eos_token_ids)
+    runner.grammar_book = book if rank == 0 else None
+    runner.grammar = GrammarRows(book) if spec.is_last else None
     layouts = page_layouts(
         l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size, pool_dtype
     )

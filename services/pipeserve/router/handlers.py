@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
-from pipeserve.router import errors
+from pipeserve.router import errors, structured
 from pipeserve.router.edge import (
     Admission,
     Slot,
@@ -120,9 +120,12 @@ class Router:
             params = [
                 self._resolve(x, req.params, "prompt", req.max_tokens_param, max_len, vocab) for x in ids
             ]
-            return await self._generate(
-                request, fmt, ids, params, req.stream, req.include_usage, slot, arrival
-            )
+            try:
+                return await self._generate(
+                    request, fmt, ids, params, req.stream, req.include_usage, slot, arrival
+                )
+            except APIError as e:  # a schema stage 0 could not compile names the client's field
+                raise structured.rename(e, req.structured) from None
         finally:
             if not slot.handed_off:
                 slot.release()
@@ -155,9 +158,12 @@ class Router:
             )
             if req.tools.choice != "none":
                 fmt.tools = ToolCallOutput(req.tools, self.config.tool_call_parser)
-            return await self._generate(
-                request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival
-            )
+            try:
+                return await self._generate(
+                    request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival
+                )
+            except APIError as e:  # a schema stage 0 could not compile names the client's field
+                raise structured.rename(e, req.structured) from None
         finally:
             if not slot.handed_off:
                 slot.release()

@@ -27,9 +27,11 @@ from typing import Any, get_type_hints
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.router import openapi_tools
+from pipeserve.router.openapi_structured import structured_properties
 from pipeserve.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, default_of
 
-_PER_ENDPOINT = ("max_tokens", "logprobs")  # as in protocol.py: each endpoint reads these its own way
+# As in protocol.py: each endpoint reads these its own way (structured*: router/structured.py).
+_PER_ENDPOINT = ("max_tokens", "logprobs", "structured_kind", "structured", "structured_compact")
 # A stop string's length bound that keeps any schema-valid list under the total cap.
 _STOP_ITEM_CHARS = MAX_STOP_CHARS // MAX_STOP_STRINGS
 
@@ -144,7 +146,7 @@ def completion_request() -> dict:
         "echo": _only(False, "boolean"),
         "best_of": _only(1, "integer"),
         "suffix": _only("", "string"),
-        "response_format": {"type": "null", "description": "not supported on /v1/completions"},
+        **structured_properties(),
     }
     return _request(["prompt"], props, _STREAM_OPTIONS_NEED_STREAM)
 
@@ -179,13 +181,7 @@ def chat_request() -> dict:
             {"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs"}
         ),
         "add_special_tokens": nullable({"type": "boolean", "default": False}),
-        "response_format": nullable(
-            {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"type": "string", "enum": ["text"]}},
-            }
-        ),
+        **structured_properties(),
         "tools": openapi_tools.TOOLS,
         "tool_choice": openapi_tools.TOOL_CHOICE,
         "parallel_tool_calls": openapi_tools.PARALLEL,

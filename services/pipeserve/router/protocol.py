@@ -20,12 +20,14 @@ field the client sent). Rules:
   valid Unicode: a lone surrogate ("\\ud800" in JSON) cannot be tokenized or
   echoed, so it is a 400 naming the field; messages never quote the value.
 * Features the engine does not implement are refused, not ignored: n != 1,
-  best_of != 1, echo, suffix, non-zero penalties, logit_bias, a
-  response_format (completions: any; chat: other than text), legacy
+  best_of != 1, echo, suffix, non-zero penalties, logit_bias, legacy
   functions/function_call, `stream_options` without `stream: true`.
 * Chat's tools, tool_choice, parallel_tool_calls and the tool fields of
   messages are read by router/tools.py (`ChatRequest.tools`); a forced
   tool choice sets the body's `guided_json` before sampling is read.
+* Structured outputs (`response_format`, vLLM's `guided_*` and
+  `structured_outputs`) are read by router/structured.py into the
+  `structured*` sampling fields.
 * `add_special_tokens` (vLLM's extension) is true by default for
   completions (the tokenizer's BOS, as `tokenizer(text)`), false for chat
   (the template writes it).
@@ -43,11 +45,18 @@ from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
+from pipeserve.router.structured import StructuredSpec, parse_structured, sampling_fields
 from pipeserve.router.tools import NO_TOOLS, ToolsSpec, forced_schema, message_fields, parse_tools
 from pipeserve.sampling_params import SamplingParams, default_of
 
 _MISSING = object()
-_PER_ENDPOINT = ("max_tokens", "logprobs")  # read by each parser, not by their annotation
+_PER_ENDPOINT = (
+    "max_tokens",
+    "logprobs",
+    "structured_kind",
+    "structured",
+    "structured_compact",
+)  # read by each parser, not by their annotation
 
 
 def _get(body: dict, key: str) -> Any:
@@ -174,6 +183,7 @@ class CompletionRequest:
     return_token_ids: bool = False  # vLLM's extension: token ids in every choice and chunk
     add_special_tokens: bool = True
     max_tokens_param: str = "max_tokens"  # the field the client sent, for errors
+    structured: StructuredSpec | None = None  # router/structured.py
 
 
 @dataclass
@@ -187,12 +197,18 @@ class ChatRequest:
     add_special_tokens: bool = False
     max_tokens_param: str = "max_tokens"
     tools: ToolsSpec = NO_TOOLS  # tools for the template, tool_choice, parallel_tool_calls (tools.py)
+    structured: StructuredSpec | None = None  # router/structured.py
 
 
 def _sampling(
-    body: dict, max_tokens: int | None, max_tokens_param: str, logprobs: int | None
+    body: dict,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    logprobs: int | None,
+    structured: StructuredSpec | None = None,
 ) -> SamplingParams:
     values = {name: read(body, name, default) for name, read, default in _SAMPLING_FIELDS}
+    values.update(sampling_fields(structured))
     try:
         return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
     except InvalidRequestError as e:
@@ -272,9 +288,10 @@ def parse_completion(body: Any) -> CompletionRequest:
     suffix = _get(body, "suffix")
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
-    if _get(body, "response_format") is not _MISSING:
-        raise errors.invalid("response_format", "is not supported on /v1/completions")
-    params = _sampling(body, _int(body, "max_tokens", 16), "max_tokens", _int(body, "logprobs", None))
+    structured = parse_structured(body)
+    params = _sampling(
+        body, _int(body, "max_tokens", 16), "max_tokens", _int(body, "logprobs", None), structured
+    )
     _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
     return CompletionRequest(
@@ -285,6 +302,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         include_usage,
         _bool(body, "return_token_ids", False),
         _bool(body, "add_special_tokens", True),
+        structured=structured,
     )
 
 
@@ -339,10 +357,8 @@ def parse_chat(body: Any) -> ChatRequest:
     tools = parse_tools(body)
     if (schema := forced_schema(tools)) is not None:  # enforced through guided_json, as vLLM
         body = {**body, "guided_json": schema}
-    fmt = _get(body, "response_format")
-    if fmt is not _MISSING and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise errors.invalid("response_format", "only {'type': 'text'} is supported")
-    params = _sampling(body, max_tokens, max_param, (top or 0) if want_logprobs else None)
+    structured = parse_structured(body)
+    params = _sampling(body, max_tokens, max_param, (top or 0) if want_logprobs else None, structured)
     _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
     return ChatRequest(
@@ -355,4 +371,5 @@ def parse_chat(body: Any) -> ChatRequest:
         _bool(body, "add_special_tokens", False),
         max_param,
         tools,
+        structured,
     )

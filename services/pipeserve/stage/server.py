@@ -43,6 +43,7 @@ import grpc
 from pipeserve.care.health import StageStatus
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.engine.grammar import COMPILE_DEADLINE_S
 from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.lifecycle import Phase
@@ -54,6 +55,7 @@ from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.rpc.convert import sampling_from_proto
 from pipeserve.rpc.metadata import ADMITTED_KEY
+from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.cache_metrics import leader_tier_metrics, stage_tier_metrics
 from pipeserve.stage.engine_loop import (
     Delta,
@@ -125,6 +127,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         sink = _QueueSink(asyncio.get_running_loop())
         try:
             params = sampling_from_proto(request.sampling)
+            await self._compile_grammar(params)
             self.loop.submit(rid, list(request.prompt_token_ids), params, sink, RequestTrace.start(rid))
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}")
@@ -150,6 +153,20 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.open_calls -= 1
             if not final:  # cancelled: the client went away or its deadline passed
                 self.loop.abort(rid)
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Stage 0 decides: a structured spec compiles (off the event loop, within a deadline)
+        before the request is admitted; submit's own check then hits the cache (engine/grammar.py)."""
+        book = self.loop.engine.runner.grammar_book
+        if not params.structured_kind or book is None:
+            return
+        args = (params.structured_kind, params.structured, params.structured_compact)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(book.compile, *args), COMPILE_DEADLINE_S)
+        except TimeoutError:
+            raise InvalidRequestError(
+                "structured", f"did not compile within {COMPILE_DEADLINE_S:g} s"
+            ) from None
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.loop.abort(request.request_id))
