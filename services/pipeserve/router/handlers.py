@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
-from pipeserve.router import errors
+from pipeserve.router import errors, fanout
 from pipeserve.router.edge import (
     Admission,
     Slot,
@@ -97,7 +97,8 @@ class Router:
         self.check_auth(request)
         req = parse_completion(await self.read_json(request))
         self.check_model(req.model)
-        slot = self.admission.acquire(len(req.prompts))
+        param = "best_of" if req.best_of > 1 else "prompt"
+        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -120,7 +121,7 @@ class Router:
                 self._resolve(x, req.params, "prompt", req.max_tokens_param, max_len, vocab) for x in ids
             ]
             return await self._generate(
-                request, fmt, ids, params, req.stream, req.include_usage, slot, arrival
+                request, fmt, ids, params, req.stream, req.include_usage, slot, arrival, req.n, req.best_of
             )
         finally:
             if not slot.handed_off:
@@ -131,7 +132,7 @@ class Router:
         self.check_auth(request)
         req = parse_chat(await self.read_json(request))
         self.check_model(req.model)
-        slot = self.admission.acquire()
+        slot = self.admission.acquire(req.n, "n")
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -149,7 +150,7 @@ class Router:
                 req.return_token_ids,
             )
             return await self._generate(
-                request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival
+                request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival, req.n, req.n
             )
         finally:
             if not slot.handed_off:
@@ -185,12 +186,14 @@ class Router:
         include_usage: bool,
         slot: Slot,
         arrival: float,
+        n: int = 1,
+        best_of: int = 1,
     ) -> Response:
-        choices = [
-            Choice(self.upstream, self.tok, i, ids, p, f"{fmt.id}-{i}", arrival)
+        families = [
+            self._family(i, ids, p, n, best_of, fmt.id, arrival)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        gen = Generation(choices, RequestAttributes(self.config.model_name, params))
+        gen = Generation(families, RequestAttributes(self.config.model_name, params), n)
         if not stream:
             try:
                 results = await until_disconnect(request, self._run(gen))
@@ -209,6 +212,20 @@ class Router:
             slot.release()
 
         return SSEResponse(self._sse(gen, fmt, include_usage), cleanup)
+
+    def _family(
+        self, i: int, ids: list[int], p: SamplingParams, n: int, best_of: int, rid: str, arrival: float
+    ) -> list[Choice]:
+        """Prompt i's best_of candidates (router/fanout.py); the only one is `<rid>-<i>` when n = 1."""
+        if best_of == 1:
+            return [Choice(self.upstream, self.tok, i, ids, p, f"{rid}-{i}", arrival)]
+        family = []
+        for j in range(best_of):
+            cp = fanout.candidate_params(p, j, best_of, n)
+            c = Choice(self.upstream, self.tok, i * n + j, ids, cp, f"{rid}-{i}-{j}", arrival)
+            c.counts_prompt = j == 0
+            family.append(c)
+        return family
 
     @staticmethod
     async def _run(gen: Generation) -> list:
@@ -230,7 +247,7 @@ class Router:
                 ):
                     yield sse(fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason, ev.token_ids))
             if include_usage:
-                yield sse(fmt.usage_chunk([c.result for c in gen.choices]))
+                yield sse(fmt.usage_chunk(gen.selected()))
         except APIError as e:
             yield errors.error_event(e)
         except Exception:  # a router bug: end the stream in the error shape, loudly in the log

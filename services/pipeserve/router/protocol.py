@@ -19,8 +19,10 @@ field the client sent). Rules:
 * Text (prompt, message role/content/name, model, stop strings) must be
   valid Unicode: a lone surrogate ("\\ud800" in JSON) cannot be tokenized or
   echoed, so it is a 400 naming the field; messages never quote the value.
-* Features the engine does not implement are refused, not ignored: n != 1,
-  best_of != 1, echo, suffix, non-zero penalties, logit_bias, a
+* `n` (1..MAX_N, both endpoints) and `best_of` (completions: n..MAX_N, equal
+  to n when streaming, as vLLM) are read here and fanned out by router/fanout.py.
+* Features the engine does not implement are refused, not ignored: echo,
+  suffix, non-zero penalties, logit_bias, a
   response_format (completions: any; chat: other than text), tools,
   tool_choice, functions, `stream_options` without `stream: true`.
 * `add_special_tokens` (vLLM's extension) is true by default for
@@ -40,9 +42,10 @@ from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
-from pipeserve.sampling_params import SamplingParams, default_of
+from pipeserve.sampling_params import MAX_LOGPROBS, SamplingParams, default_of
 
 _MISSING = object()
+MAX_N = 128  # choices (and best_of candidates) per prompt
 _PER_ENDPOINT = ("max_tokens", "logprobs")  # read by each parser, not by their annotation
 
 
@@ -170,6 +173,8 @@ class CompletionRequest:
     return_token_ids: bool = False  # vLLM's extension: token ids in every choice and chunk
     add_special_tokens: bool = True
     max_tokens_param: str = "max_tokens"  # the field the client sent, for errors
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # candidates generated per prompt (>= n); the n most probable are returned
 
 
 @dataclass
@@ -182,6 +187,8 @@ class ChatRequest:
     return_token_ids: bool = False
     add_special_tokens: bool = False
     max_tokens_param: str = "max_tokens"
+    n: int = 1
+    best_of: int = 1
 
 
 def _sampling(
@@ -195,9 +202,23 @@ def _sampling(
         raise errors.invalid(param, e.message) from None
 
 
+def _n(body: dict) -> int:
+    n = _int(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise errors.invalid("n", f"must be in [1, {MAX_N}], got {_short(n)}")
+    return n
+
+
+def _best_of(body: dict, n: int, stream: bool) -> int:
+    best_of = _int(body, "best_of", n)
+    if not n <= best_of <= MAX_N:
+        raise errors.invalid("best_of", f"must be in [n, {MAX_N}] (n = {n}), got {_short(best_of)}")
+    if stream and best_of != n:
+        raise errors.invalid("best_of", "must equal n when streaming (the best are known only at the end)")
+    return best_of
+
+
 def _refuse_unsupported(body: dict) -> None:
-    if _int(body, "n", 1) != 1:
-        raise errors.invalid("n", "only n=1 is supported; send several prompts or requests instead")
     for key in ("frequency_penalty", "presence_penalty"):
         if _number(body, key, 0.0) != 0.0:
             raise errors.invalid(key, "is not supported (must be 0)")
@@ -262,8 +283,6 @@ def parse_completion(body: Any) -> CompletionRequest:
             check_text(p, "prompt")
     if _bool(body, "echo", False):
         raise errors.invalid("echo", "is not supported")
-    if _int(body, "best_of", 1) != 1:
-        raise errors.invalid("best_of", "only best_of=1 is supported")
     suffix = _get(body, "suffix")
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
@@ -272,6 +291,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     params = _sampling(body, _int(body, "max_tokens", 16), "max_tokens", _int(body, "logprobs", None))
     _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
+    n = _n(body)
     return CompletionRequest(
         _model(body),
         prompts,
@@ -280,6 +300,8 @@ def parse_completion(body: Any) -> CompletionRequest:
         include_usage,
         _bool(body, "return_token_ids", False),
         _bool(body, "add_special_tokens", True),
+        n=n,
+        best_of=_best_of(body, n, stream),
     )
 
 
@@ -338,8 +360,8 @@ def parse_chat(body: Any) -> ChatRequest:
     top = _int(body, "top_logprobs", None)
     if top is not None and not want_logprobs:
         raise errors.invalid("top_logprobs", "requires logprobs to be true")
-    if top is not None and not 0 <= top <= 20:
-        raise errors.invalid("top_logprobs", f"must be in [0, 20], got {_short(top)}")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise errors.invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {_short(top)}")
     fmt = _get(body, "response_format")
     if fmt is not _MISSING and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise errors.invalid("response_format", "only {'type': 'text'} is supported")
@@ -356,4 +378,5 @@ def parse_chat(body: Any) -> ChatRequest:
         _bool(body, "return_token_ids", False),
         _bool(body, "add_special_tokens", False),
         max_param,
+        n=_n(body),
     )
