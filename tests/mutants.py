@@ -351,8 +351,8 @@ MUTANTS = [
     (
         "a batch takes one concurrency slot, whatever its prompts",
         "services/pipeserve/router/handlers.py",
-        "        slot = self.admission.acquire(len(req.prompts))",
-        "        slot = self.admission.acquire()",
+        "        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)",
+        "        slot = self.admission.acquire(1, param)",
         "tests/router/test_router_edge.py -k batch",
     ),
     # --- one sampling schema, tokenization like transformers ---
@@ -761,6 +761,55 @@ MUTANTS = [
         "        run = n if n <= EXACT_ROWS else math.ceil(n / ROW_QUANTUM) * ROW_QUANTUM",
         "        run = n",
         "tests/kernels/test_cpu_linear.py",
+    ),
+    (
+        "n: siblings opened before the leader's first token",
+        "services/pipeserve/router/fanout.py",
+        "    await leader.open()\n    await open_all(",
+        "    await open_all([leader.open()] + ",
+        "tests/router/test_router_fanout.py -k siblings_hit",
+    ),
+    (
+        "n: siblings ignore the leader's group",
+        "services/pipeserve/router/fanout.py",
+        "m.open(prefer=leader.group)",
+        "m.open()",
+        "tests/router/test_router_fanout.py -k siblings_hit",
+    ),
+    (
+        "n: usage counts a prompt once per choice",
+        "services/pipeserve/router/fanout.py",
+        "prompt_tokens=leader.prompt_tokens if first else 0,",
+        "prompt_tokens=leader.prompt_tokens,",
+        "tests/router/test_router_fanout.py -k usage_counts",
+    ),
+    (
+        "best_of keeps the first n",
+        "services/pipeserve/router/fanout.py",
+        "kept = sorted(members, key=cumulative_logprob, reverse=True)[:n]",
+        "kept = list(members)[:n]",
+        "tests/router/test_router_fanout.py -k best_of",
+    ),
+    (
+        "n: seeded choices share a seed",
+        "services/pipeserve/router/fanout.py",
+        "if params.seed is not None and j:",
+        "if params.seed is not None and j < 0:",
+        "tests/router/test_router_fanout.py -k seed_plus_j",
+    ),
+    (
+        "admission counts prompts, not prompts x best_of",
+        "services/pipeserve/router/handlers.py",
+        "acquire(len(req.prompts) * req.best_of, param)",
+        "acquire(len(req.prompts), param)",
+        "tests/router/test_router_fanout.py -k logprobs_limit",
+    ),
+    (
+        "logprobs 21 accepted",
+        "services/pipeserve/sampling_params.py",
+        "MAX_LOGPROBS = 20",
+        "MAX_LOGPROBS = 21",
+        "tests/router/test_router_fanout.py -k logprobs_limit",
     ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -70,8 +70,9 @@ def select(families: Sequence[Sequence[ChoiceResult]], n: int) -> list[ChoiceRes
 
 async def open_all(openers: Sequence[Coroutine[Any, Any, None]]) -> None:
     """Run every opener; the first failure (or a cancellation) cancels the others, then raises."""
-    if len(openers) == 1:
-        await openers[0]
+    if len(openers) <= 1:
+        for o in openers:
+            await o
         return
     tasks = [asyncio.ensure_future(o) for o in openers]
     try:
@@ -89,7 +90,6 @@ async def open_all(openers: Sequence[Coroutine[Any, Any, None]]) -> None:
 
 async def open_family(members: Sequence[Any]) -> None:
     """The leader first; its siblings once it has its first token, on its group."""
-    leader = members[0]
+    leader, siblings = members[0], members[1:]
     await leader.open()
-    if len(members) > 1:
-        await open_all([m.open(prefer=leader.group) for m in members[1:]])
+    await open_all([m.open(prefer=leader.group) for m in siblings])
