@@ -811,6 +811,27 @@ MUTANTS = [
         "MAX_LOGPROBS = 21",
         "tests/router/test_router_fanout.py -k logprobs_limit",
     ),
+    (
+        "prompt logprobs take a prefix hit",
+        "services/pipeserve/engine/scheduler.py",
+        "            if req.params.prompt_logprobs is not None:  # every prompt position is computed: no hit",
+        "            if False:",
+        "tests/engine/test_prompt_logprobs.py -k match_hf",
+    ),
+    (
+        "prompt logprobs: a chunk's last position dropped",
+        "services/pipeserve/engine/prompt_logprobs.py",
+        "    rows = max(0, min(start + n, len(prompt) - 1) - start)",
+        "    rows = max(0, min(start + n - 1, len(prompt) - 1) - start)",
+        "tests/engine/test_prompt_logprobs.py -k match_hf",
+    ),
+    (
+        "prompt logprobs: a recomputed position appended again",
+        "services/pipeserve/engine/prompt_logprobs.py",
+        "            continue  # recomputed after preemption: the first value stays",
+        "            held.append((lp, rank, list(top)))\n            continue",
+        "tests/engine/test_prompt_logprobs.py -k preemption",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

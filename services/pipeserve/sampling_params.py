@@ -55,6 +55,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
+    # vLLM's extension: None off; k >= 0: each prompt token's logprob and rank + the top k there
+    # (engine/prompt_logprobs.py); such a request takes no prefix-cache hit (as vLLM v1).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +88,9 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        plp = self.prompt_logprobs
+        if plp is not None and (not _is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
+            fail("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(plp)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS:
