@@ -28,6 +28,7 @@ NON_DEFAULT = {
     "stop_token_ids": [1, 2],
     "ignore_eos": True,
     "logprobs": 20,
+    "prompt_logprobs": 3,
 }
 
 

@@ -116,12 +116,32 @@ class Router:
                 self.tok,
                 req.params.logprobs is not None,
                 req.return_token_ids,
+                req.echo,
+                req.prompt_logprobs,
+                req.params.logprobs or 0,
             )
             params = [
                 self._resolve(x, req.params, "prompt", req.max_tokens_param, max_len, vocab) for x in ids
             ]
+            echoed = None
+            if req.echo:
+                echoed = [
+                    p if isinstance(p, str) else self.tok.decode(x)
+                    for p, x in zip(req.prompts, ids, strict=True)
+                ]
             return await self._generate(
-                request, fmt, ids, params, req.stream, req.include_usage, slot, arrival, req.n, req.best_of
+                request,
+                fmt,
+                ids,
+                params,
+                req.stream,
+                req.include_usage,
+                slot,
+                arrival,
+                req.n,
+                req.best_of,
+                echoed,
+                req.max_tokens_zero,
             )
         finally:
             if not slot.handed_off:
@@ -148,6 +168,7 @@ class Router:
                 self.tok,
                 req.params.logprobs is not None,
                 req.return_token_ids,
+                prompt_logprobs=req.params.prompt_logprobs,
             )
             return await self._generate(
                 request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival, req.n, req.n
@@ -188,11 +209,17 @@ class Router:
         arrival: float,
         n: int = 1,
         best_of: int = 1,
+        echoed: list[str] | None = None,
+        drop_output: bool = False,
     ) -> Response:
         families = [
             self._family(i, ids, p, n, best_of, fmt.id, arrival)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
+        for i, family in enumerate(families):  # echo (router/echo.py): the prompt side of each choice
+            for c in family:
+                c.result.prompt_text = echoed[i] if echoed is not None else ""
+                c.drop_output = drop_output
         gen = Generation(families, RequestAttributes(self.config.model_name, params), n)
         if not stream:
             try:
@@ -235,7 +262,7 @@ class Router:
     async def _sse(self, gen: Generation, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
         try:
             for c in gen.choices:
-                opening = fmt.role_chunk(c.index)
+                opening = fmt.role_chunk(c.index, c.result)
                 if opening is not None:
                     yield sse(opening)
             async for c, ev in self._unless_ending(gen.events()):

@@ -21,7 +21,8 @@ field the client sent). Rules:
   echoed, so it is a 400 naming the field; messages never quote the value.
 * `n` (1..MAX_N, both endpoints) and `best_of` (completions: n..MAX_N, equal
   to n when streaming, as vLLM) are read here and fanned out by router/fanout.py.
-* Features the engine does not implement are refused, not ignored: echo,
+* `echo` (completions) and `prompt_logprobs` (both): router/echo.py; `max_tokens: 0` only with echo.
+* Features the engine does not implement are refused, not ignored:
   suffix, non-zero penalties, logit_bias, a
   response_format (completions: any; chat: other than text), tools,
   tool_choice, functions, `stream_options` without `stream: true`.
@@ -37,7 +38,7 @@ field the client sent). Rules:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
@@ -175,6 +176,9 @@ class CompletionRequest:
     max_tokens_param: str = "max_tokens"  # the field the client sent, for errors
     n: int = 1  # choices returned per prompt
     best_of: int = 1  # candidates generated per prompt (>= n); the n most probable are returned
+    echo: bool = False  # the prompt first in each choice (router/echo.py)
+    max_tokens_zero: bool = False  # echo with max_tokens 0: one token is asked and dropped
+    prompt_logprobs: int | None = None  # as the client asked (echo + logprobs asks stage 0 for more)
 
 
 @dataclass
@@ -281,14 +285,19 @@ def parse_completion(body: Any) -> CompletionRequest:
     for p in prompts:
         if isinstance(p, str):
             check_text(p, "prompt")
-    if _bool(body, "echo", False):
-        raise errors.invalid("echo", "is not supported")
+    echo = _bool(body, "echo", False)
     suffix = _get(body, "suffix")
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
     if _get(body, "response_format") is not _MISSING:
         raise errors.invalid("response_format", "is not supported on /v1/completions")
-    params = _sampling(body, _int(body, "max_tokens", 16), "max_tokens", _int(body, "logprobs", None))
+    max_tokens = _int(body, "max_tokens", 16)
+    zero = echo and max_tokens == 0  # the prompt scored alone (vLLM): one token asked, then dropped
+    logprobs = _int(body, "logprobs", None)
+    params = _sampling(body, 1 if zero else max_tokens, "max_tokens", logprobs)
+    asked_prompt_logprobs = params.prompt_logprobs
+    if echo and logprobs is not None:  # the echoed tokens' logprobs come from the prompt's scores
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
     _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
     n = _n(body)
@@ -302,6 +311,9 @@ def parse_completion(body: Any) -> CompletionRequest:
         _bool(body, "add_special_tokens", True),
         n=n,
         best_of=_best_of(body, n, stream),
+        echo=echo,
+        max_tokens_zero=zero,
+        prompt_logprobs=asked_prompt_logprobs,
     )
 
 

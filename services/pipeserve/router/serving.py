@@ -72,12 +72,16 @@ class Choice:
         self.retries = 0
         self._last_at: float | None = None
         self.counts_prompt = True  # False for an n > 1 sibling: its prompt is counted once (fanout)
+        self.drop_output = False  # echo with max_tokens 0: the one token asked is not returned
 
     async def open(self, prefer: str | None = None) -> None:
         self._stream, self._first = await self.upstream.open(
             self.prompt_ids, self.sampling, self.request_id, prefer
         )
         self.group, self.retries = self._stream.group, self._stream.retries
+        self.result.prompt_scores = [
+            (p.logprob, p.rank, [(t.token_id, t.logprob) for t in p.top]) for p in self._first.prompt_logprobs
+        ]
         m = self.upstream.metrics
         m.ttft.observe(time.monotonic() - self.arrival)
         if self.counts_prompt:
@@ -113,6 +117,11 @@ class Choice:
         tokens: list[TokenLP] = []
         finish: str | None = None
         used = 0
+        if self.drop_output:  # echo with max_tokens 0: the prompt alone, finished by "length"
+            if msg.finish_reason:
+                self.result.finish_reason = "length"
+                self.close()
+            return ChoiceEvent("", [], "length" if msg.finish_reason else None, [])
         for k, tid in enumerate(msg.token_ids):
             offset = len(self.text.text)
             parts.append(self.text.push(tid))
