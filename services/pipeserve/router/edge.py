@@ -95,8 +95,8 @@ class Admission:
         if prompts > self.limit:
             raise errors.invalid(
                 param,
-                f"a request of {prompts} generations (prompts × best_of) exceeds this server's limit "
-                f"of {self.limit} per request",
+                f"the request is too large: {prompts} generations (prompts × best_of) exceed this "
+                f"server's limit of {self.limit} per request (max_concurrency)",
             )
         if self.in_flight + prompts > self.limit:
             raise errors.too_many_requests(
