@@ -832,6 +832,13 @@ MUTANTS = [
         "            held.append((lp, rank, list(top)))\n            continue",
         "tests/engine/test_prompt_logprobs.py -k preemption",
     ),
+    (
+        "echo drops the prompt text",
+        "services/pipeserve/router/responses.py",
+        "            text = r.prompt_text + r.text",
+        "            text = r.text",
+        "tests/router/test_router_prompt_logprobs.py -k echo_with_logprobs",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
