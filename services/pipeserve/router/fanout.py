@@ -9,6 +9,8 @@ Contract (vLLM's and OpenAI's):
   candidate runs to its end and the n with the highest cumulative logprob (sum of the sampled
   tokens' logprobs) are returned, best first; candidates ask stage 0 for those logprobs even when
   the client did not (the Formatter then leaves them out of the response).
+* prompt_logprobs (and echo's prompt logprobs) are asked of the leader only: they take no prefix
+  hit, while its siblings still reuse its blocks; every choice shows the leader's scores.
 * Usage (vLLM's rule): a prompt's tokens (and its cached tokens, the first candidate's) are
   counted once; completion tokens are those of the returned choices only.
 * KV sharing: a family's first candidate (the leader) opens first; the others open only once the
@@ -36,6 +38,8 @@ def candidate_params(params: SamplingParams, j: int, best_of: int, n: int) -> Sa
     changes: dict[str, Any] = {}
     if params.seed is not None and j:
         changes["seed"] = (params.seed + j) % (MAX_SEED + 1)
+    if j and params.prompt_logprobs is not None:  # the leader scores the prompt; siblings keep the hit
+        changes["prompt_logprobs"] = None
     if best_of > n and params.logprobs is None:
         changes["logprobs"] = 0
     return dataclasses.replace(params, **changes) if changes else params
@@ -93,3 +97,5 @@ async def open_family(members: Sequence[Any]) -> None:
     leader, siblings = members[0], members[1:]
     await leader.open()
     await open_all([m.open(prefer=leader.group) for m in siblings])
+    for m in siblings:  # the prompt side is the leader's (siblings do not score the prompt)
+        m.result.prompt_scores = leader.result.prompt_scores
