@@ -162,6 +162,12 @@ def test_siblings_hit_the_leaders_cached_prompt_blocks(
     out = completion(router, prompt=prompt, n=4, temperature=1.0, max_tokens=2, ignore_eos=True)
     assert len(out["choices"]) == 4
     assert hits() - before == 3 * 32  # every sibling reused both full blocks of the leader
+    # With prompt_logprobs only the leader scores the prompt (no hit for it); its siblings still hit.
+    prompt = [(i * 7907 + 29) % 900 + 20 for i in range(40)]
+    before = hits()
+    out = completion(router, prompt=prompt, n=3, prompt_logprobs=0, max_tokens=2, ignore_eos=True)
+    assert all(len(c["prompt_logprobs"]) == 40 for c in out["choices"])
+    assert hits() - before == 2 * 32
 
 
 def test_logprobs_limit_and_admission_are_enforced_by_the_router_and_by_stage_0(
