@@ -115,6 +115,8 @@ def test_streams_interleave_and_each_equals_blocking(router: RouterHarness) -> N
     chunks = _stream(
         router, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
     )
+    order = [ch["choices"][0]["index"] for ch in chunks[:-1]]
+    assert order != sorted(order), "the choices' chunks did not interleave"
     texts = ["", "", ""]
     for ch in chunks[:-1]:
         (c,) = ch["choices"]
