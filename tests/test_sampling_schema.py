@@ -31,6 +31,7 @@ NON_DEFAULT = {
     "structured_kind": "regex",
     "structured": "[a-z]+",
     "structured_compact": True,
+    "prompt_logprobs": 3,
 }
 # Read from other JSON fields (router/structured.py): response_format, guided_*, structured_outputs.
 STRUCTURED = {"structured_kind", "structured", "structured_compact"}

@@ -23,3 +23,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    # prompt_logprobs asked: per prompt position, None for the first, else (logprob of the prompt
+    # token, its rank, [(token_id, logprob)] top k)
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]] | None] | None = None

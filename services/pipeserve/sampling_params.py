@@ -40,6 +40,7 @@ SAMPLING_EPS = 1e-5
 ROUTER_ONLY = {"wire": False}  # field metadata: applied by the router, not sent to the stages
 MAX_SEED = 2**64 - 1  # the wire's uint64
 MAX_TOP_K = 2**31 - 1  # the wire's int32
+MAX_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs: the router and stage 0 refuse more
 
 
 @dataclass
@@ -60,6 +61,9 @@ class SamplingParams:
     structured_kind: str = ""
     structured: str = ""
     structured_compact: bool = False
+    # vLLM's extension: None off; k >= 0: each prompt token's logprob and rank + the top k there
+    # (engine/prompt_logprobs.py); such a request takes no prefix-cache hit (as vLLM v1).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,8 +91,12 @@ class SamplingParams:
             fail("min_p", f"must be in [0, 1], got {_show(self.min_p)}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             fail("seed", f"must be an integer in [0, 2**64), got {_show(self.seed)}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            fail("logprobs", f"must be an integer in [0, 20], got {_show(self.logprobs)}")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        plp = self.prompt_logprobs
+        if plp is not None and (not _is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
+            fail("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(plp)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS:

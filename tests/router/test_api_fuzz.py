@@ -124,6 +124,7 @@ SAMPLING = {
     "stream": st.booleans() | ANY,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY}) | ANY,
     "n": INTS,
+    "prompt_logprobs": INTS,
     "frequency_penalty": FLOATS,
     "presence_penalty": FLOATS,
     "logit_bias": ANY,
@@ -192,10 +193,12 @@ VALID = {
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "return_token_ids": st.booleans(),
+    "n": st.integers(1, 4),
+    "prompt_logprobs": st.integers(0, 5),
 }
 VALID_COMPLETION = st.fixed_dictionaries(
     {"model": st.just(NAME), "prompt": OK_TEXT | TOKEN_IDS, "max_tokens": st.integers(1, 8)},
-    optional={**VALID, "logprobs": st.integers(0, 5)},
+    optional={**VALID, "logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(1, 6)},
 )
 VALID_CHAT = st.fixed_dictionaries(
     {

@@ -187,7 +187,7 @@ def test_chat_logprobs_shape(router: RouterHarness, tok: TokenizerAssets) -> Non
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 5000]}, "prompt"),
         ({"prompt": list(range(64))}, "prompt"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 200}, "n"),
         ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
         ({"prompt": "x", "seed": 2**70}, "seed"),
         ({"prompt": "x", "top_k": 2**40}, "top_k"),

@@ -19,18 +19,21 @@ chunks; their answers to L3 load orders go into the report.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 import torch
 
+from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.grammar import GrammarBook, GrammarRows
 from pipeserve.engine.plan import (
     LoadAck,
+    PromptScores,
     RequestFailure,
     SampledToken,
     SamplingSpec,
@@ -44,6 +47,7 @@ from pipeserve.engine.sampler import Sampler
 from pipeserve.model.layers import AttentionBatch, DecodeGroup, PrefillSpan
 from pipeserve.model.stage_model import StageModel
 
+log = logging.getLogger(__name__)
 MIN_DECODE_GROUP = 8
 
 
@@ -92,6 +96,7 @@ class PreparedStep:
     sample_rows: torch.Tensor  # [R] row of each sampled request's last token
     sample_req_ids: list[str]
     sample_indices: list[int]
+    scored: list[tuple[int, ScheduledChunk]] = field(default_factory=list)  # (first row, chunk) to score
 
 
 class BusyMeter:
@@ -146,6 +151,7 @@ class ModelRunner:
         # Structured outputs: set on stage 0 (checks) and the last stage (matchers) by build_stage.
         self.grammar_book: GrammarBook | None = None
         self.grammar: GrammarRows | None = None
+        self.prompt_scores: list[PromptScores] = []  # the last run's (last stage; StepOutput carries them)
 
     # --- plan -> state ------------------------------------------------------
     def apply(self, plan: StepPlan) -> int:
@@ -214,6 +220,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
         sample_indices: list[int] = []
+        scored: list[tuple[int, ScheduledChunk]] = []
         for c in chunks:
             table = self.reqs[c.req_id].block_ids
             row = len(ids)
@@ -228,6 +235,8 @@ class ModelRunner:
                 dec_lens.append(end)
             else:
                 prefills.append(PrefillSpan(row, n, c.start_pos, self._tensor(table[: -(-end // bs)])))
+            if c.score_rows:
+                scored.append((row, c))
             if c.sample_index >= 0:
                 sample_rows.append(row + n - 1)
                 sample_req_ids.append(c.req_id)
@@ -245,7 +254,7 @@ class ModelRunner:
             workspace=self._decode_workspace(max((g.block_tables.numel() for g in decodes), default=0)),
         )
         return PreparedStep(
-            self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices
+            self._tensor(ids), batch, self._tensor(sample_rows), sample_req_ids, sample_indices, scored
         )
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
@@ -326,6 +335,23 @@ class ModelRunner:
                 out.append(msgspec.structs.replace(tok, grammar_end=True) if ended else tok)
         return out, failures
 
+    def _score(
+        self, step: PreparedStep, hidden: torch.Tensor, failed: set[str]
+    ) -> tuple[list[PromptScores], list[RequestFailure]]:
+        """prompt_logprobs of the chunks that ask (engine/prompt_logprobs.py); a failure is the request's."""
+        out: list[PromptScores] = []
+        failures: list[RequestFailure] = []
+        for row, c in step.scored:
+            if c.req_id in failed:
+                continue
+            try:
+                k = self.reqs[c.req_id].sampling.prompt_logprobs or 0
+                out.append(prompt_logprobs.score(self.model.compute_logits, hidden, row, c, k))
+            except Exception as e:
+                log.exception("request %s: prompt logprobs failed", c.req_id)
+                failures.append(RequestFailure(c.req_id, f"prompt logprobs failed: {type(e).__name__}: {e}"))
+        return out, failures
+
     def _check_requests(self, plan: StepPlan) -> list[RequestFailure]:
         if self.request_check is None:
             return []
@@ -349,6 +375,7 @@ class ModelRunner:
             acks = self.tiers.execute(plan, self.kv_pool) if self.tiers is not None else no_tiers(plan)
             hidden = None
             sampled: list[SampledToken] = []
+            self.prompt_scores = []
             failed = self._check_requests(plan)
             if plan.chunks:
                 step = self.prepare(plan)
@@ -356,6 +383,8 @@ class ModelRunner:
                 if self.model.stage.is_last:
                     sampled, sample_failures = self.sample(step, hidden, {f.req_id for f in failed})
                     failed += sample_failures
+                    self.prompt_scores, score_failures = self._score(step, hidden, {f.req_id for f in failed})
+                    failed += score_failures
                     hidden = None
         return hidden, sampled, self.report(digest, failed, acks)
 
@@ -377,4 +406,4 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Single-stage execution: the whole model, then sampling."""
         _, sampled, report = self.run(plan)
-        return StepOutput(plan.step_id, sampled, [report])
+        return StepOutput(plan.step_id, sampled, [report], self.prompt_scores)

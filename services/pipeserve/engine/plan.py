@@ -35,6 +35,7 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     structured_kind: str = ""
     structured: str = ""
     structured_compact: bool = False
+    prompt_logprobs: int | None = None  # score the prompt positions chunks name (score_rows)
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -58,6 +59,11 @@ class ScheduledChunk(msgspec.Struct, array_like=True, frozen=True):
     # the chunk ends mid-prompt and nothing is sampled. Seeds are derived from it,
     # so sampling does not depend on batch mix or preemption.
     sample_index: int
+    # prompt_logprobs (engine/prompt_logprobs.py): the chunk's first `score_rows` rows score the
+    # prompt token after them (token_ids[1:], then `score_next`, the next chunk's first token:
+    # stage 0 names it, the last stage has only this chunk). The scored positions start at start_pos + 1.
+    score_rows: int = 0
+    score_next: int = -1
 
 
 class BlockCopy(msgspec.Struct, array_like=True, frozen=True):
@@ -158,10 +164,21 @@ class StageReport(msgspec.Struct, array_like=True, frozen=True):
     l3_lost: int = 0  # pages this stage could not write to L3 so far (queue full, Redis failed)
 
 
+class PromptScores(msgspec.Struct, array_like=True, frozen=True):
+    """The last stage's scores of one chunk's `score_rows` prompt positions, from `first_pos` on."""
+
+    req_id: str
+    first_pos: int
+    logprobs: list[float]  # of the prompt token at each position
+    ranks: list[int]  # 1 + tokens more probable there
+    top: list[list[tuple[int, float]]]  # the top k (token id, logprob), k = prompt_logprobs
+
+
 class StepOutput(msgspec.Struct, frozen=True):
     step_id: int
     sampled: list[SampledToken]
     reports: list[StageReport]  # one per stage, in rank order
+    prompt_scores: list[PromptScores] = []  # the chunks that asked (ScheduledChunk.score_rows)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -69,6 +69,8 @@ class Request:
     in_executors: bool = False
     error: str | None = None  # why the request failed (finish_reason ERROR)
     traceparent: str | None = None  # W3C context of a sampled request's span: sent in its NewRequest
+    # prompt_logprobs: (logprob, rank, top k) of prompt positions 1.. (engine/prompt_logprobs.py)
+    prompt_scores: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ from collections import deque
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
 from pipeserve.engine.plan import (
     BlockCopy,
@@ -66,6 +67,7 @@ def sampling_spec(req: Request) -> SamplingSpec:
         str(p.structured_kind),
         str(p.structured),
         bool(p.structured_compact),
+        None if p.prompt_logprobs is None else int(p.prompt_logprobs),
     )
 
 
@@ -196,6 +198,8 @@ class Scheduler:
             tokens = req.all_token_ids
             hits, prev = self.bm.match_prefix(tokens)
             l2 = self.bm.match_host(tokens, len(hits), prev)
+            if req.params.prompt_logprobs is not None:  # every prompt position is computed: no hit
+                hits, l2, req.fetch = [], [], Fetch.DONE
             k = len(hits) + len(l2)
             if self.fetch.l3 is not None and req.fetch is Fetch.NONE:
                 limit = self.bm.max_prefix_blocks(len(tokens))
@@ -271,12 +275,17 @@ class Scheduler:
         req.num_scheduled += n
         req.num_inflight += 1
         ends_known = start + n == req.num_tokens
+        rows, after = 0, -1
+        if req.params.prompt_logprobs is not None:
+            rows, after = prompt_logprobs.chunk_scoring(req.prompt_token_ids, start, n)
         return ScheduledChunk(
             req.req_id,
             req.token_slice(start, start + n),
             start,
             new_blocks,
             len(req.output_token_ids) if ends_known else -1,
+            rows,
+            after,
         )
 
     def _preemptable_victim(self) -> Request | None:
@@ -304,6 +313,7 @@ class Scheduler:
         if output.step_id != plan.step_id:
             raise ResultMismatch(f"output of step {output.step_id} applied to plan {plan.step_id}")
         sampled = {s.req_id: s for s in output.sampled}
+        scores = {s.req_id: s for s in output.prompt_scores}
         failed = {f.req_id: f.reason for r in output.reports for f in r.failed}
         finished: list[Request] = []
         self._inflight_tokens -= plan.num_tokens
@@ -326,6 +336,11 @@ class Scheduler:
                 finished.append(req)
                 continue
             req.num_computed += len(chunk.token_ids)
+            if chunk.score_rows:
+                try:
+                    prompt_logprobs.keep(req.prompt_scores, chunk, scores.get(req.req_id))
+                except ValueError as e:
+                    raise ResultMismatch(f"step {plan.step_id}: {e}") from None
             for bid, h in self.bm.commit_full_blocks(req):
                 if self.fetch.l3 is not None and not self.fetch.is_known(h):
                     self._stores.append(PageStore(bid, h))  # write-through, with the next plan

@@ -159,6 +159,9 @@ class LLM:
                         )
                     ],
                     num_cached_tokens=req.num_cached_prompt_tokens,
+                    prompt_logprobs=[None, *req.prompt_scores]
+                    if req.params.prompt_logprobs is not None
+                    else None,
                 )
             )
         return results

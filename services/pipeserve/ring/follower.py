@@ -116,7 +116,10 @@ class Follower:
             report = self.faults.corrupt_report(report)
         reports = [*fwd.reports, report]
         if self.is_last:
-            self.flight.complete(flight, self.link.send(Result(StepOutput(plan.step_id, sampled, reports))))
+            self.flight.complete(
+                flight,
+                self.link.send(Result(StepOutput(plan.step_id, sampled, reports, self.runner.prompt_scores))),
+            )
             return
         produced = activation_digest(hidden) if self.flight.enabled else None
         sent, hidden = self.faults.outgoing(self.rank, plan, hidden, self.runner.num_blocks)

@@ -89,12 +89,14 @@ class Admission:
         self.gauge = gauge
         self.in_flight = 0
 
-    def acquire(self, prompts: int = 1) -> Slot:
-        """A slot for `prompts` upstream calls, or an APIError: 400 if it can never fit, 429 if not now."""
+    def acquire(self, prompts: int = 1, param: str = "prompt") -> Slot:
+        """A slot for `prompts` upstream calls (prompts × best_of), or an APIError: 400 (naming
+        `param`) if it can never fit, 429 if not now."""
         if prompts > self.limit:
             raise errors.invalid(
-                "prompt",
-                f"a batch of {prompts} prompts exceeds this server's limit of {self.limit} per request",
+                param,
+                f"the request is too large: {prompts} generations (prompts × best_of) exceed this "
+                f"server's limit of {self.limit} per request (max_concurrency)",
             )
         if self.in_flight + prompts > self.limit:
             raise errors.too_many_requests(

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
-from pipeserve.router import errors, structured
+from pipeserve.router import errors, fanout, structured
 from pipeserve.router.edge import (
     Admission,
     Slot,
@@ -98,7 +98,8 @@ class Router:
         self.check_auth(request)
         req = parse_completion(await self.read_json(request))
         self.check_model(req.model)
-        slot = self.admission.acquire(len(req.prompts))
+        param = "best_of" if req.best_of > 1 else "prompt"
+        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -116,13 +117,33 @@ class Router:
                 self.tok,
                 req.params.logprobs is not None,
                 req.return_token_ids,
+                req.echo,
+                req.prompt_logprobs,
+                req.params.logprobs or 0,
             )
             params = [
                 self._resolve(x, req.params, "prompt", req.max_tokens_param, max_len, vocab) for x in ids
             ]
+            echoed = None
+            if req.echo:
+                echoed = [
+                    p if isinstance(p, str) else self.tok.decode(x)
+                    for p, x in zip(req.prompts, ids, strict=True)
+                ]
             try:
                 return await self._generate(
-                    request, fmt, ids, params, req.stream, req.include_usage, slot, arrival
+                    request,
+                    fmt,
+                    ids,
+                    params,
+                    req.stream,
+                    req.include_usage,
+                    slot,
+                    arrival,
+                    req.n,
+                    req.best_of,
+                    echoed,
+                    req.max_tokens_zero,
                 )
             except APIError as e:  # a schema stage 0 could not compile names the client's field
                 raise structured.rename(e, req.structured) from None
@@ -136,7 +157,7 @@ class Router:
         req = parse_chat(await self.read_json(request))
         self.check_model(req.model)
         check_parser(req.tools, self.config.tool_call_parser)
-        slot = self.admission.acquire()
+        slot = self.admission.acquire(req.n, "n")
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -155,12 +176,13 @@ class Router:
                 self.tok,
                 req.params.logprobs is not None,
                 req.return_token_ids,
+                prompt_logprobs=req.params.prompt_logprobs,
             )
             if req.tools.choice != "none":
                 fmt.tools = ToolCallOutput(req.tools, self.config.tool_call_parser)
             try:
                 return await self._generate(
-                    request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival
+                    request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival, req.n, req.n
                 )
             except APIError as e:  # a schema stage 0 could not compile names the client's field
                 raise structured.rename(e, req.structured) from None
@@ -198,12 +220,20 @@ class Router:
         include_usage: bool,
         slot: Slot,
         arrival: float,
+        n: int = 1,
+        best_of: int = 1,
+        echoed: list[str] | None = None,
+        drop_output: bool = False,
     ) -> Response:
-        choices = [
-            Choice(self.upstream, self.tok, i, ids, p, f"{fmt.id}-{i}", arrival)
+        families = [
+            self._family(i, ids, p, n, best_of, fmt.id, arrival)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        gen = Generation(choices, RequestAttributes(self.config.model_name, params))
+        for i, family in enumerate(families):  # echo (router/echo.py): the prompt side of each choice
+            for c in family:
+                c.result.prompt_text = echoed[i] if echoed is not None else ""
+                c.drop_output = drop_output
+        gen = Generation(families, RequestAttributes(self.config.model_name, params), n)
         if not stream:
             try:
                 results = await until_disconnect(request, self._run(gen))
@@ -223,6 +253,20 @@ class Router:
 
         return SSEResponse(self._sse(gen, fmt, include_usage), cleanup)
 
+    def _family(
+        self, i: int, ids: list[int], p: SamplingParams, n: int, best_of: int, rid: str, arrival: float
+    ) -> list[Choice]:
+        """Prompt i's best_of candidates (router/fanout.py); the only one is `<rid>-<i>` when n = 1."""
+        if best_of == 1:
+            return [Choice(self.upstream, self.tok, i, ids, p, f"{rid}-{i}", arrival)]
+        family = []
+        for j in range(best_of):
+            cp = fanout.candidate_params(p, j, best_of, n)
+            c = Choice(self.upstream, self.tok, i * n + j, ids, cp, f"{rid}-{i}-{j}", arrival)
+            c.counts_prompt = j == 0
+            family.append(c)
+        return family
+
     @staticmethod
     async def _run(gen: Generation) -> list:
         await gen.open()
@@ -231,7 +275,7 @@ class Router:
     async def _sse(self, gen: Generation, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
         try:
             for c in gen.choices:
-                opening = fmt.role_chunk(c.index)
+                opening = fmt.role_chunk(c.index, c.result)
                 if opening is not None:
                     yield sse(opening)
             async for c, ev in self._unless_ending(gen.events()):
@@ -245,7 +289,7 @@ class Router:
                     if chunk is not None:  # None: text a tool-call parser holds back
                         yield sse(chunk)
             if include_usage:
-                yield sse(fmt.usage_chunk([c.result for c in gen.choices]))
+                yield sse(fmt.usage_chunk(gen.selected()))
         except APIError as e:
             yield errors.error_event(e)
         except Exception:  # a router bug: end the stream in the error shape, loudly in the log

@@ -15,7 +15,8 @@ the authority; this module documents it and must never contradict it:
   whose type has no entry in `_TYPES` fails at import, as in protocol.py.
 * JSON null means "not given" for every optional field, so each is nullable.
 * Fields the engine does not implement are described by the one value they
-  may take (n = 1, penalties 0, tools empty...): any other is a 400.
+  may take (penalties 0, tools empty...): any other is a 400. Cross-field rules
+  JSON Schema cannot state (best_of >= n) are in words, the schema stricter.
 * Responses: 200 as JSON, or as text/event-stream (`data: {chunk}` events
   ending with `data: [DONE]`) when `stream` is true; errors in OpenAI's shape.
 """
@@ -28,7 +29,8 @@ from typing import Any, get_type_hints
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.router import openapi_tools
 from pipeserve.router.openapi_structured import structured_properties
-from pipeserve.sampling_params import MAX_SEED, MAX_TOP_K, SamplingParams, default_of
+from pipeserve.router.protocol import MAX_N
+from pipeserve.sampling_params import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K, SamplingParams, default_of
 
 # As in protocol.py: each endpoint reads these its own way (structured*: router/structured.py).
 _PER_ENDPOINT = ("max_tokens", "logprobs", "structured_kind", "structured", "structured_compact")
@@ -51,7 +53,13 @@ _RANGES: dict[str, dict] = {
     "top_k": {"minimum": -1, "maximum": MAX_TOP_K, "description": "-1 or 0: off"},
     "min_p": {"minimum": 0, "maximum": 1},
     "seed": {"minimum": 0, "maximum": MAX_SEED},
-    "logprobs": {"minimum": 0, "maximum": 20},
+    "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {
+        "minimum": 0,
+        "maximum": MAX_LOGPROBS,
+        "description": "vLLM's extension: each prompt token's logprob, rank and the top k there "
+        "(completions: per choice; chat: top level; streamed in the first chunk); no prefix-cache hit",
+    },
     "stop": {
         "description": f"at most {MAX_STOP_STRINGS} non-empty strings of {MAX_STOP_CHARS} characters in all",
         "anyOf": [
@@ -110,7 +118,16 @@ _COMMON = {
     ),
     "return_token_ids": nullable({"type": "boolean", "default": False}),
     "user": nullable({"type": "string"}),
-    "n": _only(1, "integer"),
+    "n": nullable(
+        {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_N,
+            "default": 1,
+            "description": "choices per prompt (index = prompt index x n + j); with a seed, choice j "
+            "samples with seed + j; each prompt's n (or best_of) requests count against max_concurrency",
+        }
+    ),
     "frequency_penalty": _only(0, "number"),
     "presence_penalty": _only(0, "number"),
     "repetition_penalty": _only(1, "number"),
@@ -143,12 +160,38 @@ def completion_request() -> dict:
         "max_tokens": sampling_field("max_tokens") | {"default": 16},
         "logprobs": sampling_field("logprobs"),
         "add_special_tokens": nullable({"type": "boolean", "default": True}),
-        "echo": _only(False, "boolean"),
-        "best_of": _only(1, "integer"),
+        "echo": nullable(
+            {
+                "type": "boolean",
+                "default": False,
+                "description": "the prompt first in each choice's text (and, with logprobs, its tokens "
+                "first, the first one null); max_tokens 0 is allowed with echo only",
+            }
+        ),
+        "best_of": nullable(
+            {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_N,
+                "description": "candidates per prompt, >= n (default n); the n of highest cumulative "
+                "logprob are returned; must equal n when streaming",
+            }
+        ),
         "suffix": _only("", "string"),
         **structured_properties(),
     }
-    return _request(["prompt"], props, _STREAM_OPTIONS_NEED_STREAM)
+    # best_of >= n and == n when streaming: cross-field rules JSON Schema cannot compare; the schema
+    # admits best_of only with n 1 (or unset) and without stream (the parser accepts more).
+    best_of_rule = {
+        "if": {"required": ["best_of"], "properties": {"best_of": {"type": "integer"}}},
+        "then": {
+            "properties": {
+                "n": {"anyOf": [{"type": "null"}, {"const": 1}]},
+                "stream": {"anyOf": [{"type": "null"}, {"const": False}]},
+            }
+        },
+    }
+    return _request(["prompt"], props, {"allOf": [_STREAM_OPTIONS_NEED_STREAM, best_of_rule]})
 
 
 def chat_request() -> dict:

@@ -19,9 +19,12 @@ field the client sent). Rules:
 * Text (prompt, message role/content/name, model, stop strings) must be
   valid Unicode: a lone surrogate ("\\ud800" in JSON) cannot be tokenized or
   echoed, so it is a 400 naming the field; messages never quote the value.
-* Features the engine does not implement are refused, not ignored: n != 1,
-  best_of != 1, echo, suffix, non-zero penalties, logit_bias, legacy
-  functions/function_call, `stream_options` without `stream: true`.
+* `n` (1..MAX_N, both endpoints) and `best_of` (completions: n..MAX_N, equal
+  to n when streaming, as vLLM) are read here and fanned out by router/fanout.py.
+* `echo` (completions) and `prompt_logprobs` (both): router/echo.py; `max_tokens: 0` only with echo.
+* Features the engine does not implement are refused, not ignored:
+  suffix, non-zero penalties, logit_bias, legacy functions/function_call,
+  `stream_options` without `stream: true`.
 * Chat's tools, tool_choice, parallel_tool_calls and the tool fields of
   messages are read by router/tools.py (`ChatRequest.tools`); a forced
   tool choice sets the body's `guided_json` before sampling is read.
@@ -40,16 +43,17 @@ field the client sent). Rules:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
 from pipeserve.router.structured import StructuredSpec, parse_structured, sampling_fields
 from pipeserve.router.tools import NO_TOOLS, ToolsSpec, forced_schema, message_fields, parse_tools
-from pipeserve.sampling_params import SamplingParams, default_of
+from pipeserve.sampling_params import MAX_LOGPROBS, SamplingParams, default_of
 
 _MISSING = object()
+MAX_N = 128  # choices (and best_of candidates) per prompt
 _PER_ENDPOINT = (
     "max_tokens",
     "logprobs",
@@ -184,6 +188,11 @@ class CompletionRequest:
     add_special_tokens: bool = True
     max_tokens_param: str = "max_tokens"  # the field the client sent, for errors
     structured: StructuredSpec | None = None  # router/structured.py
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # candidates generated per prompt (>= n); the n most probable are returned
+    echo: bool = False  # the prompt first in each choice (router/echo.py)
+    max_tokens_zero: bool = False  # echo with max_tokens 0: one token is asked and dropped
+    prompt_logprobs: int | None = None  # as the client asked (echo + logprobs asks stage 0 for more)
 
 
 @dataclass
@@ -198,6 +207,8 @@ class ChatRequest:
     max_tokens_param: str = "max_tokens"
     tools: ToolsSpec = NO_TOOLS  # tools for the template, tool_choice, parallel_tool_calls (tools.py)
     structured: StructuredSpec | None = None  # router/structured.py
+    n: int = 1
+    best_of: int = 1
 
 
 def _sampling(
@@ -216,9 +227,23 @@ def _sampling(
         raise errors.invalid(param, e.message) from None
 
 
+def _n(body: dict) -> int:
+    n = _int(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise errors.invalid("n", f"must be in [1, {MAX_N}], got {_short(n)}")
+    return n
+
+
+def _best_of(body: dict, n: int, stream: bool) -> int:
+    best_of = _int(body, "best_of", n)
+    if not n <= best_of <= MAX_N:
+        raise errors.invalid("best_of", f"must be in [n, {MAX_N}] (n = {n}), got {_short(best_of)}")
+    if stream and best_of != n:
+        raise errors.invalid("best_of", "must equal n when streaming (the best are known only at the end)")
+    return best_of
+
+
 def _refuse_unsupported(body: dict) -> None:
-    if _int(body, "n", 1) != 1:
-        raise errors.invalid("n", "only n=1 is supported; send several prompts or requests instead")
     for key in ("frequency_penalty", "presence_penalty"):
         if _number(body, key, 0.0) != 0.0:
             raise errors.invalid(key, "is not supported (must be 0)")
@@ -281,19 +306,21 @@ def parse_completion(body: Any) -> CompletionRequest:
     for p in prompts:
         if isinstance(p, str):
             check_text(p, "prompt")
-    if _bool(body, "echo", False):
-        raise errors.invalid("echo", "is not supported")
-    if _int(body, "best_of", 1) != 1:
-        raise errors.invalid("best_of", "only best_of=1 is supported")
+    echo = _bool(body, "echo", False)
     suffix = _get(body, "suffix")
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
     structured = parse_structured(body)
-    params = _sampling(
-        body, _int(body, "max_tokens", 16), "max_tokens", _int(body, "logprobs", None), structured
-    )
+    max_tokens = _int(body, "max_tokens", 16)
+    zero = echo and max_tokens == 0  # the prompt scored alone (vLLM): one token asked, then dropped
+    logprobs = _int(body, "logprobs", None)
+    params = _sampling(body, 1 if zero else max_tokens, "max_tokens", logprobs, structured)
+    asked_prompt_logprobs = params.prompt_logprobs
+    if echo and logprobs is not None:  # the echoed tokens' logprobs come from the prompt's scores
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
     _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
+    n = _n(body)
     return CompletionRequest(
         _model(body),
         prompts,
@@ -303,6 +330,11 @@ def parse_completion(body: Any) -> CompletionRequest:
         _bool(body, "return_token_ids", False),
         _bool(body, "add_special_tokens", True),
         structured=structured,
+        n=n,
+        best_of=_best_of(body, n, stream),
+        echo=echo,
+        max_tokens_zero=zero,
+        prompt_logprobs=asked_prompt_logprobs,
     )
 
 
@@ -352,8 +384,8 @@ def parse_chat(body: Any) -> ChatRequest:
     top = _int(body, "top_logprobs", None)
     if top is not None and not want_logprobs:
         raise errors.invalid("top_logprobs", "requires logprobs to be true")
-    if top is not None and not 0 <= top <= 20:
-        raise errors.invalid("top_logprobs", f"must be in [0, 20], got {_short(top)}")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise errors.invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {_short(top)}")
     tools = parse_tools(body)
     if (schema := forced_schema(tools)) is not None:  # enforced through guided_json, as vLLM
         body = {**body, "guided_json": schema}
@@ -372,4 +404,5 @@ def parse_chat(body: Any) -> ChatRequest:
         max_param,
         tools,
         structured,
+        n=_n(body),
     )

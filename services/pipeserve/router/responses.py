@@ -16,12 +16,14 @@ Logprobs that are not finite are sent as -9999.0 (JSON has no -inf).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeserve.router import echo as prompt_side
 from pipeserve.router.tools import ToolCallOutput
 from pipeserve.tokenizer import TokenizerAssets
 
@@ -47,6 +49,10 @@ class ChoiceResult:
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # generated ids, up to a stop string's token
     prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""  # echo: the text that comes first
+    prompt_scores: list = field(
+        default_factory=list
+    )  # prompt_logprobs: (logprob, rank, top) of positions 1..
 
 
 def usage(results: list[ChoiceResult]) -> dict:
@@ -80,8 +86,15 @@ class Formatter:
         tok: TokenizerAssets,
         logprobs: bool,
         return_token_ids: bool = False,
+        echo: bool = False,
+        prompt_logprobs: int | None = None,
+        logprobs_k: int = 0,
     ) -> None:
         self.chat = chat
+        self.echo = echo  # completions: the prompt first (router/echo.py)
+        self.prompt_logprobs = prompt_logprobs  # k, or None: not asked
+        self.logprobs_k = logprobs_k
+        self._shift: dict[int, int] = {}  # echo: characters of prompt before each choice's text
         self.return_token_ids = return_token_ids
         self.id = request_id
         self.model = model
@@ -134,13 +147,48 @@ class Formatter:
             return None
         return self._chat_logprobs(tokens) if self.chat else self._completion_logprobs(tokens)
 
-    # --- streaming -------------------------------------------------------------
-    def role_chunk(self, index: int) -> dict | None:
-        """Chat only: the chunk that opens a choice."""
-        if not self.chat:
+    def _prompt_logprobs(self, r: ChoiceResult) -> list | None:
+        k = self.prompt_logprobs
+        return (
+            None
+            if k is None
+            else prompt_side.prompt_logprobs(self.tok, r.prompt_token_ids, r.prompt_scores, k, _lp)
+        )
+
+    def _echo_logprobs(self, r: ChoiceResult) -> dict | None:
+        if not self.logprobs:
             return None
+        return prompt_side.legacy_prompt_logprobs(
+            self.tok, r.prompt_token_ids, r.prompt_scores, self.logprobs_k, _lp
+        )
+
+    def _completion_choice(self, r: ChoiceResult) -> dict[str, Any]:
+        text, logprobs = r.text, self._logprobs(r.tokens)
+        if self.echo:
+            text = r.prompt_text + r.text
+            prompt = self._echo_logprobs(r)
+            if prompt is not None:
+                logprobs = prompt_side.join_legacy(prompt, logprobs, len(r.prompt_text))
+        choice: dict[str, Any] = {"index": r.index, "text": text, "logprobs": logprobs}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(r)
+        return choice
+
+    # --- streaming -------------------------------------------------------------
+    def role_chunk(self, index: int, r: ChoiceResult | None = None) -> dict | None:
+        """The chunk that opens a choice: chat's role (and prompt_logprobs at the top level);
+        completions' echoed prompt and/or prompt_logprobs, when asked (else None)."""
+        if not self.chat:
+            if r is None or not (self.echo or self.prompt_logprobs is not None):
+                return None
+            self._shift[index] = len(r.prompt_text) if self.echo else 0
+            opening = self._completion_choice(dataclasses.replace(r, text="", tokens=[]))
+            return self._envelope("text_completion", [{**opening, "finish_reason": None}])
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": None}])
+        out = self._envelope("chat.completion.chunk", [{**choice, "finish_reason": None}])
+        if self.prompt_logprobs is not None and r is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs(r)
+        return out
 
     def chunk(
         self,
@@ -160,6 +208,8 @@ class Formatter:
                 delta = {"content": text} if text or finish_reason is None else {}
             chat: dict[str, Any] = {"index": index, "delta": delta, "logprobs": self._logprobs(tokens), **ids}
             return self._envelope("chat.completion.chunk", [{**chat, "finish_reason": finish_reason}])
+        if shift := self._shift.get(index, 0):  # echo: offsets count the echoed prompt
+            tokens = [dataclasses.replace(t, offset=t.offset + shift) for t in tokens]
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": self._logprobs(tokens), **ids}
         return self._envelope("text_completion", [{**choice, "finish_reason": finish_reason}])
 
@@ -178,9 +228,12 @@ class Formatter:
                     message, finish = self.tools.message(r.text, finish)
                 choice = {"index": r.index, "message": message, "logprobs": self._logprobs(r.tokens)}
             else:
-                choice = {"index": r.index, "text": r.text, "logprobs": self._logprobs(r.tokens)}
+                choice = self._completion_choice(r)
             if self.return_token_ids:
                 choice |= {"token_ids": r.token_ids, "prompt_token_ids": r.prompt_token_ids}
             choices.append({**choice, "finish_reason": finish})
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(obj, choices), "usage": usage(results)}
+        body = {**self._envelope(obj, choices), "usage": usage(results)}
+        if self.chat and self.prompt_logprobs is not None and results:  # vLLM: top level for chat
+            body["prompt_logprobs"] = self._prompt_logprobs(results[0])
+        return body

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pipeserve.detokenize import TextStream
-from pipeserve.router import errors
+from pipeserve.router import errors, fanout
 from pipeserve.router.errors import APIError
 from pipeserve.router.responses import ChoiceResult, TokenLP
 from pipeserve.router.trace import RequestAttributes
@@ -71,13 +71,21 @@ class Choice:
         self.group: str | None = None  # where it runs, once open (traces)
         self.retries = 0
         self._last_at: float | None = None
+        self.counts_prompt = True  # False for an n > 1 sibling: its prompt is counted once (fanout)
+        self.drop_output = False  # echo with max_tokens 0: the one token asked is not returned
 
-    async def open(self) -> None:
-        self._stream, self._first = await self.upstream.open(self.prompt_ids, self.sampling, self.request_id)
+    async def open(self, prefer: str | None = None) -> None:
+        self._stream, self._first = await self.upstream.open(
+            self.prompt_ids, self.sampling, self.request_id, prefer
+        )
         self.group, self.retries = self._stream.group, self._stream.retries
+        self.result.prompt_scores = [
+            (p.logprob, p.rank, [(t.token_id, t.logprob) for t in p.top]) for p in self._first.prompt_logprobs
+        ]
         m = self.upstream.metrics
         m.ttft.observe(time.monotonic() - self.arrival)
-        m.prompt_tokens.inc(len(self.prompt_ids))
+        if self.counts_prompt:
+            m.prompt_tokens.inc(len(self.prompt_ids))
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """The choice's events up to the one with finish_reason; raises APIError if the stream fails."""
@@ -109,6 +117,11 @@ class Choice:
         tokens: list[TokenLP] = []
         finish: str | None = None
         used = 0
+        if self.drop_output:  # echo with max_tokens 0: the prompt alone, finished by "length"
+            if msg.finish_reason:
+                self.result.finish_reason = "length"
+                self.close()
+            return ChoiceEvent("", [], "length" if msg.finish_reason else None, [])
         for k, tid in enumerate(msg.token_ids):
             offset = len(self.text.text)
             parts.append(self.text.push(tid))
@@ -144,23 +157,31 @@ _DONE = object()
 
 
 class Generation:
-    def __init__(self, choices: list[Choice], attributes: RequestAttributes | None = None) -> None:
-        self.choices = choices
+    """`families`: per prompt, its n (or best_of) candidates, leader first (router/fanout.py);
+    `n`: choices returned per prompt."""
+
+    def __init__(
+        self,
+        families: list[list[Choice]],
+        attributes: RequestAttributes | None = None,
+        n: int = 1,
+    ) -> None:
+        self.families = families
+        self.choices = [c for f in families for c in f]
+        self.n = n
         self.attributes = attributes  # the request span's usage attributes, set once on close()
         self._tasks: list[asyncio.Task] = []
 
     async def open(self) -> None:
-        if len(self.choices) == 1:
-            await self.choices[0].open()
-            return
-        tasks = [asyncio.create_task(c.open()) for c in self.choices]
         try:
-            await asyncio.gather(*tasks)
+            await fanout.open_all([fanout.open_family(f) for f in self.families])
         except BaseException:  # one choice failed (or the client left): none of them goes on
-            for t in tasks:
-                t.cancel()
             self.close()
             raise
+
+    def selected(self) -> list[ChoiceResult]:
+        """The results returned to the client (best_of's best n), usage counted as vLLM does."""
+        return fanout.select([[c.result for c in f] for f in self.families], self.n)
 
     async def events(self) -> AsyncIterator[tuple[Choice, ChoiceEvent]]:
         if len(self.choices) == 1:
@@ -195,7 +216,7 @@ class Generation:
     async def results(self) -> list[ChoiceResult]:
         async for _ in self.events():
             pass
-        return [c.result for c in self.choices]
+        return self.selected()
 
     def close(self) -> None:
         for t in self._tasks:
@@ -210,4 +231,4 @@ class Generation:
         if self.attributes is not None:
             cs = self.choices
             groups = [c.group for c in cs if c.group is not None]
-            self.attributes.ended([c.result for c in cs], groups, sum(c.retries for c in cs))
+            self.attributes.ended(self.selected(), groups, sum(c.retries for c in cs))

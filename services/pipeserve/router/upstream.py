@@ -41,6 +41,7 @@ from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.router import errors
 from pipeserve.router.errors import APIError
 from pipeserve.router.metrics import RouterMetrics
+from pipeserve.router.policy import GroupState
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.router.trace import GenerateSpan
 from pipeserve.rpc import generation_pb2 as pb
@@ -170,14 +171,22 @@ class Upstream:
         self.rlog = RateLimitedLog(log, interval_s=LOG_INTERVAL_S)
 
     async def open(
-        self, prompt_ids: Sequence[int], sampling: pb.SamplingParams, request_id: str
+        self,
+        prompt_ids: Sequence[int],
+        sampling: pb.SamplingParams,
+        request_id: str,
+        prefer: str | None = None,
     ) -> tuple[GenerateStream, pb.GenerateResponse]:
-        """A stream that has produced its first message, after at most one retry on another group."""
+        """A stream that has produced its first message, after at most one retry on another group.
+
+        `prefer`: the group to try first while it is routable, whatever the policy (an n > 1
+        sibling goes where its prompt's blocks are cached); the retry rule is unchanged."""
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
         tried: list[str] = []
         last: UpstreamFailure | None = None
         for attempt in range(2):
-            group = self.replicas.pick(prompt_ids, exclude=tried)
+            group = self._preferred(prefer) if attempt == 0 else None
+            group = group or self.replicas.pick(prompt_ids, exclude=tried)
             if group is None:
                 break
             stream = GenerateStream(self, group.name, request)
@@ -207,6 +216,11 @@ class Upstream:
         if last is None:
             raise errors.unavailable("no pipeline group is ready")
         raise to_api_error(last)
+
+    def _preferred(self, name: str | None) -> GroupState | None:
+        if name is None:
+            return None
+        return next((g for g in self.replicas.ready_groups() if g.name == name), None)
 
     def failed_mid_stream(self, f: UpstreamFailure, request_id: str) -> APIError:
         self._failed(f, request_id)

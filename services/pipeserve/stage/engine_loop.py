@@ -77,6 +77,8 @@ class Delta:
     error_kind: ErrorKind = ErrorKind.GROUP
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # prompt_logprobs asked: (logprob, rank, top k) of prompt positions 1.., on the first delta
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
     @property
     def final(self) -> bool:
@@ -343,6 +345,9 @@ class EngineLoop:
             finish,
             prompt_tokens=len(req.prompt_token_ids) if first or finish else 0,
             cached_tokens=req.num_cached_prompt_tokens if first or finish else 0,
+            prompt_logprobs=list(req.prompt_scores)
+            if first and req.params.prompt_logprobs is not None
+            else None,
         )
         if finish is not None:
             self._final(req_id, active.sink, delta)

@@ -90,6 +90,10 @@ def delta_to_proto(d: Delta) -> pb.GenerateResponse:
         entry = msg.logprobs.add(logprob=lp if lp is not None else 0.0)
         for tok, v in top or ():
             entry.top.add(token_id=tok, logprob=v)
+    for lp, rank, top in d.prompt_logprobs or ():
+        p = msg.prompt_logprobs.add(logprob=lp, rank=rank)
+        for tok, v in top:
+            p.top.add(token_id=tok, logprob=v)
     return msg
 
 
