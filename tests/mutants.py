@@ -351,8 +351,8 @@ MUTANTS = [
     (
         "a batch takes one concurrency slot, whatever its prompts",
         "services/pipeserve/router/handlers.py",
-        "        slot = self.admission.acquire(len(req.prompts))",
-        "        slot = self.admission.acquire()",
+        "        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)",
+        "        slot = self.admission.acquire(1, param)",
         "tests/router/test_router_edge.py -k batch",
     ),
     # --- one sampling schema, tokenization like transformers ---
@@ -1074,13 +1074,6 @@ MUTANTS = [
         "        if params.structured_kind and self.runner.grammar_book is not None:",
         "        if False:",
         "tests/engine/test_structured.py::test_spec_that_does_not_compile_is_refused_before_admission",
-    ),
-    (
-        "a batch takes one concurrency slot, whatever its prompts",
-        "services/pipeserve/router/handlers.py",
-        "        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)",
-        "        slot = self.admission.acquire(1, param)",
-        "tests/router/test_router_edge.py -k batch",
     ),
     (
         "n: siblings opened before the leader's first token",
