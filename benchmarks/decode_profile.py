@@ -9,7 +9,7 @@ On the offline benchmark's checkpoint (written by offline_throughput.py on first
   of an engine step, split into schedule / prepare / forward / sample, and a torch.profiler
   breakdown of forward's ops (matmul, attention, KV gather, norms/rotary/SiLU, KV store, other);
   "python" is the step's wall time minus the time inside torch ops;
-* with `--variants ref,fast`, the same decode steps with the kernel ops kernels/cpu.py provides
+* with `--variants ref,fast`, the same decode steps with the kernel ops pipeserve_kernels/cpu.py provides
   swapped between reference.py's and the exported (dispatched) ones, rounds interleaved so a
   shared machine's load falls on both alike.
 
@@ -162,7 +162,7 @@ def profile_batch(llm: Any, timer: StepTimer, batch: int, args: argparse.Namespa
 def ab(llm: Any, args: argparse.Namespace) -> None:
     """Decode steps with the kernel ops of each variant, rounds interleaved; medians.
 
-    ref: every op from reference.py; fast: the exported (dispatched) ops, kernels/cpu.py on a CPU.
+    ref: every op from reference.py; fast: the exported (dispatched) ops, pipeserve_kernels/cpu.py on a CPU.
     """
     import pipeserve_kernels
     from pipeserve_kernels import cpu, reference

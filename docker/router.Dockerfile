@@ -17,6 +17,7 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY services services
 COPY kernels kernels
+COPY operator operator
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install -c constraints.txt \
       fastapi uvicorn httptools prometheus-client grpcio protobuf tokenizers jinja2 xxhash kubernetes \

@@ -12,6 +12,7 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY services services
 COPY kernels kernels
+COPY operator operator
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install -c constraints.txt \
       --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple .

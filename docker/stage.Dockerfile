@@ -21,6 +21,7 @@ WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY services services
 COPY kernels kernels
+COPY operator operator
 RUN python3.11 -m venv /opt/venv && /opt/venv/bin/pip install -c constraints.txt .
 
 FROM python

@@ -22,7 +22,7 @@ import tempfile
 MUTANTS = [
     (
         "prefill mask ignores cached prefix",
-        "kernels/reference.py",
+        "kernels/pipeserve_kernels/reference.py",
         "    rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos",
         "    rows = torch.arange(length, device=q.device).repeat(g)[:, None]",
         "tests/engine/test_engine_correctness.py -k 'prefix or chunk'",
@@ -551,7 +551,7 @@ MUTANTS = [
     ),
     (
         "operator deletes only the failed pod, not its group",
-        "services/pipeserve_operator/groups.py",
+        "operator/pipeserve_operator/groups.py",
         "    victims = doomed(pods, decision)",
         "    victims = [p for p in doomed(pods, decision)"
         " if p['status']['containerStatuses'][0]['restartCount']]",
@@ -582,14 +582,14 @@ MUTANTS = [
     ),
     (
         "operator rolls every outdated group at once",
-        "services/pipeserve_operator/supervise.py",
+        "operator/pipeserve_operator/supervise.py",
         "            obs = dataclasses.replace(observed[index], may_roll=may_roll(index, fleet))",
         "            obs = dataclasses.replace(observed[index], may_roll=True)",
         "tests/k8s/test_operator.py -k rolls",
     ),
     (
         "operator never rolls a changed spec out",
-        "services/pipeserve_operator/observe.py",
+        "operator/pipeserve_operator/observe.py",
         "        outdated=wanted_hash is not None and template_hash(pod) != wanted_hash,",
         "        outdated=False,",
         "tests/k8s/test_operator.py -k rolls",
@@ -666,21 +666,21 @@ MUTANTS = [
     ),
     (
         "the Triton decode kernel ignores the last partial block",
-        "kernels/triton_attention.py",
+        "kernels/pipeserve_kernels/triton_attention.py",
         "        valid = toks < ctx\n",
         "        valid = toks < ctx // BS * BS\n",
         "tests/kernels/test_triton_kernels.py -k decode",
     ),
     (
         "CPU decode reads scattered blocks as one run of the pool",
-        "kernels/cpu.py",
+        "kernels/pipeserve_kernels/cpu.py",
         "    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))",
         "    return True",
         "tests/kernels/test_cpu_ops.py -k one_row",
     ),
     (
         "CPU rotary negates the wrong half of sin",
-        "kernels/cpu.py",
+        "kernels/pipeserve_kernels/cpu.py",
         "torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)",
         "torch.cat((sin[:, :half], -sin[:, half:]), dim=-1)",
         "tests/kernels/test_cpu_ops.py -k rotary",
@@ -736,7 +736,7 @@ MUTANTS = [
     ),
     (
         "CPU projections left unpacked (MKL's slow small-M path)",
-        "kernels/__init__.py",
+        "kernels/pipeserve_kernels/__init__.py",
         '    return cpu_linear.pack_weight(weight) if BACKEND == "auto" else weight',
         "    return weight",
         "tests/kernels/test_cpu_linear.py",
@@ -757,63 +757,63 @@ MUTANTS = [
     ),
     (
         "oneDNN sees every row count (one cached primitive per shape, unbounded memory)",
-        "kernels/cpu_linear.py",
+        "kernels/pipeserve_kernels/cpu_linear.py",
         "        run = n if n <= EXACT_ROWS else math.ceil(n / ROW_QUANTUM) * ROW_QUANTUM",
         "        run = n",
         "tests/kernels/test_cpu_linear.py",
     ),
     (
         "stage device auto ignores the pod's GPUs",
-        "services/pipeserve_operator/pod.py",
+        "operator/pipeserve_operator/pod.py",
         "        if _positive((resources.get(kind) or {}).get(GPU_RESOURCE, 0)):",
         "        if False:",
         "tests/k8s/test_stage_pod.py -k device",
     ),
     (
         "CUDA stage pods get no /dev/shm",
-        "services/pipeserve_operator/pod.py",
+        "operator/pipeserve_operator/pod.py",
         '    if device == "cuda":',
         "    if False:",
         "tests/k8s/test_stage_pod.py -k 'shm or device'",
     ),
     (
         "env schema back to name/value: the API server prunes valueFrom",
-        "services/pipeserve_operator/corev1.py",
+        "operator/pipeserve_operator/corev1.py",
         '    return obj({"name": {**NAME, "minLength": 1}, "value": STR, "valueFrom": value_from}, ["name"])',
         '    return obj({"name": {**NAME, "minLength": 1}, "value": STR}, ["name"])',
         "tests/k8s/test_stage_pod.py -k value_from",
     ),
     (
         "rendezvous deadline not derived from startupDeadlineSeconds",
-        "services/pipeserve_operator/resources.py",
+        "operator/pipeserve_operator/resources.py",
         '    args += ["--connect-timeout-s", str(spec["startupDeadlineSeconds"])]',
         "    pass",
         "tests/k8s/test_stage_pod.py -k connect_timeout",
     ),
     (
         "an env var the operator sets is accepted in spec.env (builder)",
-        "services/pipeserve_operator/pod.py",
+        "operator/pipeserve_operator/pod.py",
         '        if env.get("name") in OWNED_ENV:',
         "        if False:",
         "tests/k8s/test_stage_pod.py -k owns",
     ),
     (
         "an env var the operator sets is accepted in spec.env (CEL at admission)",
-        "services/pipeserve_operator/crd.py",
+        "operator/pipeserve_operator/crd.py",
         "self.env.all(e, !(e.name in {cel_list(OWNED_ENV)}))",
         "self.env.all(e, true)",
         "tests/k8s/test_crd_cel.py",
     ),
     (
         "co-location off by default",
-        "services/pipeserve_operator/crd.py",
+        "operator/pipeserve_operator/crd.py",
         '"enum": ["preferred", "required", "none"], "default": "preferred"}',
         '"enum": ["preferred", "required", "none"], "default": "none"}',
         "tests/k8s/test_stage_pod.py -k colocation",
     ),
     (
         "kueue gang without placement.queueName admitted",
-        "services/pipeserve_operator/crd.py",
+        "operator/pipeserve_operator/crd.py",
         '"rule": "self.gang != \'kueue\' || has(self.queueName)"',
         '"rule": "self.gang != \'kueue\' || true"',
         "tests/k8s/test_crd_cel.py",
@@ -834,7 +834,7 @@ MUTANTS = [
     ),
     (
         "pod-level lists unbounded: the API server cannot bound the CEL rules' cost",
-        "services/pipeserve_operator/corev1.py",
+        "operator/pipeserve_operator/corev1.py",
         '    return {"type": "array", "items": items, "maxItems": MAX_ITEMS, **extra}',
         '    return {"type": "array", "items": items, **extra}',
         "tests/k8s/test_crd_cel.py -k bounded",
@@ -954,7 +954,7 @@ MUTANTS = [
     ),
     (
         "operator: a kopf timer is back (its finalizer with it)",
-        "services/pipeserve_operator/handlers.py",
+        "operator/pipeserve_operator/handlers.py",
         "@kopf.index(GROUP, VERSION, PLURAL)\n",
         "@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S)\n"
         "async def _timer(**_: Any) -> None:\n    pass\n\n\n"
@@ -963,7 +963,7 @@ MUTANTS = [
     ),
     (
         "operator: owned objects ensured only on a spec change",
-        "services/pipeserve_operator/supervise.py",
+        "operator/pipeserve_operator/supervise.py",
         "    if not problem:\n        for i in wanted:",
         '    if not problem and status.get("observedGeneration") != meta.get("generation"):\n'
         "        for i in wanted:",
@@ -971,28 +971,28 @@ MUTANTS = [
     ),
     (
         "operator: a hand-edited pod template is not patched back",
-        "services/pipeserve_operator/objects.py",
+        "operator/pipeserve_operator/objects.py",
         "    if not contains(have, want):\n        return True",
         "    if False:\n        return True",
         "tests/k8s/test_operator_reconcile.py -k drift",
     ),
     (
         "operator: observedGeneration written before the generation's objects were ensured",
-        "services/pipeserve_operator/supervise.py",
+        "operator/pipeserve_operator/supervise.py",
         '    observed = status.get("observedGeneration") if blocked else generation',
         "    observed = generation",
         "tests/k8s/test_operator_reconcile.py -k 'invalid_spec or without_volcano'",
     ),
     (
         "operator: Ready ignores groups on an older spec",
-        "services/pipeserve_operator/supervise.py",
+        "operator/pipeserve_operator/supervise.py",
         "        and seen.updated == replicas\n",
         "",
         "tests/k8s/test_operator_reconcile.py -k 'ready_waits or older_spec'",
     ),
     (
         "operator: groups roll on a rendering change (hash of the rendered template)",
-        "services/pipeserve_operator/objects.py",
+        "operator/pipeserve_operator/objects.py",
         "    full = {k: v for k, v in with_defaults(spec).items() if k not in _NOT_ROLLED}\n",
         "    full = {k: v for k, v in with_defaults(spec).items() if k not in _NOT_ROLLED}\n"
         '    full["_rendered"] = __import__("pipeserve_operator.resources").resources.STARTUP_PERIOD_S\n',
@@ -1007,28 +1007,28 @@ MUTANTS = [
     ),
     (
         "operator: a removed group's PodGroup is left behind",
-        "services/pipeserve_operator/objects.py",
+        "operator/pipeserve_operator/objects.py",
         "    for name in sorted(set(live) - set(wanted)):",
         "    for name in []:",
         "tests/k8s/test_operator_reconcile.py -k pdb_and_volcano",
     ),
     (
         "operator: a pod stuck on a lost node is never forced",
-        "services/pipeserve_operator/supervise.py",
+        "operator/pipeserve_operator/supervise.py",
         "        if not stamp or now < _epoch(stamp) + STUCK_AFTER_S:",
         "        if True:",
         "tests/k8s/test_operator_reconcile.py -k stuck",
     ),
     (
         "operator: forces a Terminating pod whose node is Ready",
-        "services/pipeserve_operator/supervise.py",
+        "operator/pipeserve_operator/supervise.py",
         "        if await _node_ready(kube, node):\n            continue",
         "        if False:\n            continue",
         "tests/k8s/test_operator_reconcile.py -k stuck",
     ),
     (
         "operator: the PDB lets unhealthy pods block a drain",
-        "services/pipeserve_operator/objects.py",
+        "operator/pipeserve_operator/objects.py",
         '            "unhealthyPodEvictionPolicy": "AlwaysAllow",\n',
         "",
         "tests/k8s/test_operator_reconcile.py -k pdb_and_volcano",
@@ -1158,8 +1158,8 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 # Import name -> its folder in the tree (pyproject.toml's package-dir).
 PACKAGES = {
     "pipeserve": "services/pipeserve",
-    "pipeserve_kernels": "kernels",
-    "pipeserve_operator": "services/pipeserve_operator",
+    "pipeserve_kernels": "kernels/pipeserve_kernels",
+    "pipeserve_operator": "operator/pipeserve_operator",
 }
 
 

@@ -20,15 +20,20 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "services"
+REPO = Path(__file__).resolve().parent.parent
+# Each package in a folder named as it is imported: services/pipeserve, operator/pipeserve_operator,
+# kernels/pipeserve_kernels.
+ROOTS = (REPO / "services", REPO / "operator", REPO / "kernels")
+PACKAGES = ("pipeserve", "pipeserve_operator", "pipeserve_kernels")
 ROLES = ("ring", "care", "stage", "router", "supervisor", "entrypoints", "cli")
 
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for root in ROOTS:
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 
 
@@ -79,6 +84,15 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _package(module: str) -> str:
     return ".".join(module.split(".")[:2])
+
+
+def test_the_checker_walks_every_package() -> None:
+    """The three packages, each under the folder named as it is imported, are all in the graph."""
+    mods = _modules()
+    for package in PACKAGES:
+        assert package in mods, f"{package}: no __init__.py under {[str(r) for r in ROOTS]}"
+        assert any(m.startswith(package + ".") for m in mods), package
+    assert "pipeserve_kernels.reference" in mods and "pipeserve_operator.crd" in mods
 
 
 def test_no_import_cycle_between_modules() -> None:

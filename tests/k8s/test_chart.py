@@ -284,7 +284,7 @@ def test_every_pod_is_locked_down(tools: Tools, case: str) -> None:
             )
 
 
-# What the operator calls (services/pipeserve_operator/kube.py, kopf's watch, finalizer and status patches,
+# What the operator calls (operator/pipeserve_operator/kube.py, kopf's watch, finalizer and status patches,
 # its Events) and what the router's discovery calls (list + watch of one InferencePipeline).
 OPERATOR_RULES = {
     ("pipeserve.io", "inferencepipelines"): ["list", "watch", "patch"],

@@ -1,4 +1,4 @@
-"""Projections through oneDNN on packed weights (kernels/cpu_linear.py) and how a stage uses them.
+"""Projections through oneDNN on packed weights (pipeserve_kernels/cpu_linear.py) and how a stage uses them.
 
 Packed products sum in oneDNN's order, not MKL's, so they are compared with F.linear within
 float32 rounding, over the row counts a stage sees (one decode row, a decode batch, prefill

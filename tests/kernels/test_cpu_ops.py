@@ -1,4 +1,4 @@
-"""The faster CPU ops (kernels/cpu.py) against their references (reference.py, HF numerics).
+"""The faster CPU ops (kernels/pipeserve_kernels/cpu.py) against their references (reference.py, HF numerics).
 
 rms_norm, rms_norm_residual, apply_rotary and silu_and_mul promise bit-identical float32 results
 (the same products and sums in the same order), so they are compared with torch.equal. Decode
