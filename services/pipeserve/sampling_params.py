@@ -40,6 +40,7 @@ SAMPLING_EPS = 1e-5
 ROUTER_ONLY = {"wire": False}  # field metadata: applied by the router, not sent to the stages
 MAX_SEED = 2**64 - 1  # the wire's uint64
 MAX_TOP_K = 2**31 - 1  # the wire's int32
+MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI documents no limit; keeps plans small)
 
 
 @dataclass
@@ -54,6 +55,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
+    # Logits processors (vLLM's definitions; engine/penalties.py applies them on the last stage).
+    presence_penalty: float = 0.0  # [-2, 2], over the output tokens so far
+    frequency_penalty: float = 0.0  # [-2, 2], x count of each token in the output so far
+    repetition_penalty: float = 1.0  # (0, 2], over prompt and output tokens (HF's definition)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    min_tokens: int = 0  # EOS / stop_token_ids / stop strings not before this many output tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +100,24 @@ class SamplingParams:
             fail("stop_token_ids", "must be non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"must be a boolean, got {_show(self.ignore_eos)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_finite(v) or not -2 <= v <= 2:
+                fail(name, f"must be in [-2, 2], got {_show(v)}")
+        if not _is_finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            fail("repetition_penalty", f"must be in (0, 2], got {_show(self.repetition_penalty)}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            fail("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for t, b in bias.items():
+            if not _is_int(t) or t < 0:
+                fail("logit_bias", f"keys must be token ids (non-negative integers), got {_show(t)}")
+            if not _is_finite(b) or not -100 <= b <= 100:
+                fail("logit_bias", f"biases must be in [-100, 100], got {_show(b)} for token {t}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {_show(self.min_tokens)}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +173,11 @@ def check_prompt(
     if bad:
         raise InvalidRequestError(
             "stop_token_ids", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )
+    bad = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(
+            "logit_bias", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
         )
 
 

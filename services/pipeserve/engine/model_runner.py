@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from pipeserve.engine.penalties import TokenHistories
 from pipeserve.engine.plan import (
     LoadAck,
     RequestFailure,
@@ -133,6 +134,7 @@ class ModelRunner:
         self.device = kv_pool.device
         self.rank = rank
         self.sampler = Sampler(self.device, seed)
+        self.histories = TokenHistories()  # penalties' token histories; filled on the last stage only
         self.reqs: dict[str, _ReqState] = {}
         # block id -> number of request tables holding it (prefix hits share blocks)
         self.block_refs: dict[int, int] = {}
@@ -152,6 +154,7 @@ class ModelRunner:
             gone = self.reqs.pop(rid, None)
             if gone is None:
                 raise PlanMismatch(f"step {plan.step_id}: freed unknown request {rid!r}")
+            self.histories.free(rid)
             for b in gone.block_ids:
                 if self.block_refs[b] == 1:
                     del self.block_refs[b]
@@ -161,6 +164,8 @@ class ModelRunner:
             if new.req_id in self.reqs:
                 raise PlanMismatch(f"step {plan.step_id}: new request {new.req_id!r} already known")
             self.reqs[new.req_id] = _ReqState(new.sampling, [])
+            if self.model.stage.is_last:
+                self.histories.admit(new.req_id, new.sampling, new.history)
         for c in plan.chunks:
             st = self.reqs.get(c.req_id)
             if st is None:
@@ -175,6 +180,8 @@ class ModelRunner:
                     f"step {plan.step_id}: {c.req_id!r} chunk starts at {c.start_pos}, "
                     f"stage holds {st.num_tokens} tokens"
                 )
+            if (why := self.histories.extend(c.req_id, c.start_pos, c.token_ids)) is not None:
+                raise PlanMismatch(f"step {plan.step_id}: {why}")
             st.block_ids += c.new_block_ids
             for b in c.new_block_ids:
                 self.block_refs[b] = self.block_refs.get(b, 0) + 1
@@ -296,7 +303,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.sample_rows[rows]])
         req_ids = [step.sample_req_ids[i] for i in rows]
         specs = [self.reqs[r].sampling for r in req_ids]
-        return self.sampler(logits, req_ids, specs, [step.sample_indices[i] for i in rows])
+        histories = [self.histories.get(r) for r in req_ids] if len(self.histories) else None
+        tokens, failures = self.sampler(
+            logits, req_ids, specs, [step.sample_indices[i] for i in rows], histories
+        )
+        for t in tokens:
+            self.histories.sampled(t.req_id, t.token_id)
+        return tokens, failures
 
     def _check_requests(self, plan: StepPlan) -> list[RequestFailure]:
         if self.request_check is None:

@@ -31,6 +31,13 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     min_p: float
     seed: int | None
     logprobs: int | None
+    # Logits processors (engine/penalties.py); the defaults leave a row untouched.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []  # sorted by token id
+    min_tokens: int = 0
+    min_tokens_stop_ids: list[int] = []  # EOS (unless ignore_eos) + stop_token_ids, masked until min_tokens
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -38,6 +45,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
 
     req_id: str
     sampling: SamplingSpec
+    # The tokens before its first chunk (a prefix-cache hit), only when its penalties need the
+    # token history (penalties.needs_history): the last stage rebuilds that history from them.
+    history: list[int] = []
 
 
 class ScheduledChunk(msgspec.Struct, array_like=True, frozen=True):

@@ -30,6 +30,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
+from pipeserve.engine.penalties import needs_history
 from pipeserve.engine.plan import (
     BlockCopy,
     LoadOrder,
@@ -52,8 +53,9 @@ class ResultMismatch(RuntimeError):
     """A step's result contradicts its plan: a protocol failure (the group stops)."""
 
 
-def sampling_spec(req: Request) -> SamplingSpec:
+def sampling_spec(req: Request, eos_token_ids: frozenset[int] = frozenset()) -> SamplingSpec:
     p = req.params
+    stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
     # Exact field types: the digest covers the encoding, and followers re-encode what
     # they decoded (an int 0 for a float field would hash differently on the next stage).
     return SamplingSpec(
@@ -63,6 +65,12 @@ def sampling_spec(req: Request) -> SamplingSpec:
         float(p.min_p),
         None if p.seed is None else int(p.seed),
         None if p.logprobs is None else int(p.logprobs),
+        float(p.presence_penalty),
+        float(p.frequency_penalty),
+        float(p.repetition_penalty),
+        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],
+        int(p.min_tokens),
+        stop_ids if p.min_tokens > 0 else [],
     )
 
 
@@ -225,7 +233,8 @@ class Scheduler:
             req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            new_reqs.append(NewRequest(req.req_id, sampling_spec(req)))
+            spec = sampling_spec(req, self.eos_token_ids)
+            new_reqs.append(NewRequest(req.req_id, spec, tokens[:start] if needs_history(spec) else []))
             req.in_executors = True
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n

@@ -19,9 +19,11 @@ field the client sent). Rules:
 * Text (prompt, message role/content/name, model, stop strings) must be
   valid Unicode: a lone surrogate ("\\ud800" in JSON) cannot be tokenized or
   echoed, so it is a 400 naming the field; messages never quote the value.
+* `logit_bias` is an object mapping token ids (JSON strings of integers,
+  as OpenAI's) to numbers; the ranges of it and of the penalties and
+  `min_tokens` are SamplingParams' checks.
 * Features the engine does not implement are refused, not ignored: n != 1,
-  best_of != 1, echo, suffix, non-zero penalties, logit_bias, a
-  response_format (completions: any; chat: other than text), tools,
+  best_of != 1, echo, suffix, a response_format (completions: any; chat: other than text), tools,
   tool_choice, functions, `stream_options` without `stream: true`.
 * `add_special_tokens` (vLLM's extension) is true by default for
   completions (the tokenizer's BOS, as `tokenizer(text)`), false for chat
@@ -142,6 +144,22 @@ def _token_list(v: Any) -> list[int] | None:
     return None if None in ids else ids  # type: ignore[return-value]
 
 
+def _bias(body: dict, key: str, default: Any) -> Any:
+    """OpenAI's logit_bias: {"token id": bias}; keys are decimal strings (or ints from a JSON-less client)."""
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if not isinstance(v, dict):
+        raise errors.invalid(key, "must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        t = _as_int(k) if not isinstance(k, str) else (int(k) if k.strip().isdecimal() else None)
+        if t is None:
+            raise errors.invalid(key, f"keys must be token ids, got {_short(k)}")
+        out[t] = _number({key: b}, key, 0.0)
+    return out
+
+
 # How each SamplingParams annotation is read from JSON. A field whose type is not here
 # fails at import: give it a reader (or read it per endpoint).
 _READERS = {
@@ -151,6 +169,7 @@ _READERS = {
     bool: _bool,
     list[str]: _strings,
     list[int]: _ints,
+    dict[int, float]: _bias,
 }
 _HINTS = get_type_hints(SamplingParams)
 _SAMPLING_FIELDS = [
@@ -198,14 +217,6 @@ def _sampling(
 def _refuse_unsupported(body: dict) -> None:
     if _int(body, "n", 1) != 1:
         raise errors.invalid("n", "only n=1 is supported; send several prompts or requests instead")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if _number(body, key, 0.0) != 0.0:
-            raise errors.invalid(key, "is not supported (must be 0)")
-    if _number(body, "repetition_penalty", 1.0) != 1.0:
-        raise errors.invalid("repetition_penalty", "is not supported (must be 1)")
-    bias = _get(body, "logit_bias")
-    if bias is not _MISSING and (not isinstance(bias, dict) or bias):
-        raise errors.invalid("logit_bias", "is not supported")
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:
