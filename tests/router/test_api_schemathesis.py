@@ -52,6 +52,7 @@ DEPLOYMENT_LIMITS = (
     "outside the vocabulary",
     "the prompt is empty",
     "is too large",
+    "must be <= max_tokens",  # min_tokens above max_tokens (or the context's room): not in a JSON Schema
 )
 
 STATUSES: Counter[tuple[str, int]] = Counter()  # (generation mode, status): reported after the run
