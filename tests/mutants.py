@@ -804,6 +804,13 @@ MUTANTS = [
         "            values[name] = getattr(msg, name)",
         "tests/test_sampling_schema.py -k 'unset_optional or round_trip'",
     ),
+    (
+        "a huge repetition penalty turns negative logits into -inf",
+        "services/pipeserve/engine/penalties.py",
+        "            row[seen] = torch.where(vals.isfinite(), scaled.clamp(min=-big), vals)",
+        "            row[seen] = scaled",
+        "tests/engine/test_penalties.py -k huge",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -102,7 +102,7 @@ def test_every_field_is_read_from_the_json_body() -> None:
         ({"presence_penalty": 2.01}, "presence_penalty"),
         ({"frequency_penalty": -(10**400)}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
-        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"logit_bias": {1: 100.5}}, "logit_bias"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),

@@ -58,7 +58,7 @@ class SamplingParams:
     # Logits processors (vLLM's definitions; engine/penalties.py applies them on the last stage).
     presence_penalty: float = 0.0  # [-2, 2], over the output tokens so far
     frequency_penalty: float = 0.0  # [-2, 2], x count of each token in the output so far
-    repetition_penalty: float = 1.0  # (0, 2], over prompt and output tokens (HF's definition)
+    repetition_penalty: float = 1.0  # > 0 (vLLM's bound), over prompt and output tokens (HF's definition)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
     min_tokens: int = 0  # EOS / stop_token_ids / stop strings not before this many output tokens
 
@@ -104,8 +104,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_finite(v) or not -2 <= v <= 2:
                 fail(name, f"must be in [-2, 2], got {_show(v)}")
-        if not _is_finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
-            fail("repetition_penalty", f"must be in (0, 2], got {_show(self.repetition_penalty)}")
+        if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0:
+            fail("repetition_penalty", f"must be a finite number > 0, got {_show(self.repetition_penalty)}")
         bias = self.logit_bias
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
             fail("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")

@@ -162,6 +162,7 @@ def test_a_batch_without_processors_is_untouched() -> None:
     "kw",
     [
         {"repetition_penalty": 1e-30},
+        {"repetition_penalty": 1e300, "presence_penalty": 2.0},
         {"repetition_penalty": 2.0, "frequency_penalty": -2.0, "presence_penalty": -2.0},
         {"logit_bias": [(0, 100.0), (1, -100.0)], "min_tokens": 9, "min_tokens_stop_ids": [0, 2]},
     ],
@@ -177,3 +178,14 @@ def test_accepted_extremes_never_make_nan(kw: dict) -> None:
     # Logprobs are the raw distribution's (vLLM's default raw_logprobs): the processors do not move them.
     raw = logits.nan_to_num(nan=float("-inf"), posinf=big).log_softmax(-1)[1]
     assert tokens[1].logprob == pytest.approx(raw[tokens[1].token_id].item())
+
+
+def test_a_huge_repetition_penalty_leaves_a_distribution() -> None:
+    """Every token seen, every logit negative, penalty 1e300: finite logits stay finite (not all -inf)."""
+    logits = -torch.rand(2, 6) - 0.5
+    spec = SamplingSpec(1.0, -1, 1.0, 0.0, 3, 0, repetition_penalty=1e300)
+    greedy = _spec(repetition_penalty=1e300)
+    tokens, failures = Sampler(torch.device("cpu"))(
+        logits, ["a", "b"], [spec, greedy], [0, 0], [list(range(6)), list(range(6))]
+    )
+    assert not failures and len(tokens) == 2

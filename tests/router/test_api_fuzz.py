@@ -161,7 +161,7 @@ VALID = {
     "return_token_ids": st.booleans(),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
-    "repetition_penalty": st.floats(0, 2, exclude_min=True) | st.sampled_from([1e-30, 2.0]),
+    "repetition_penalty": st.floats(0, 2, exclude_min=True) | st.sampled_from([1e-30, 1e30, 1e300]),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=5),
     "min_tokens": st.integers(0, 8),
 }

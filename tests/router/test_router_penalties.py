@@ -114,7 +114,7 @@ BAD = [
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"frequency_penalty": "1"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"repetition_penalty": -1}, "repetition_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": "high"}}, "logit_bias"),

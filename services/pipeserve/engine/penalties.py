@@ -113,7 +113,11 @@ def apply_processors(
         if s.repetition_penalty != 1 and hist:
             seen = torch.tensor(sorted(set(hist)), device=dev)
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+            scaled = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+            # A huge penalty must not turn a finite negative logit into -inf: a row all -inf has no
+            # distribution. (+inf from a tiny one is the sampler's clean-up: the largest float.)
+            big = torch.finfo(scaled.dtype).max
+            row[seen] = torch.where(vals.isfinite(), scaled.clamp(min=-big), vals)
         n_out = sample_indices[i]
         if (s.frequency_penalty or s.presence_penalty) and n_out > 0:
             outputs = torch.tensor(hist[len(hist) - n_out :], device=dev)

@@ -67,11 +67,7 @@ _RANGES: dict[str, dict] = {
     },
     "presence_penalty": {"minimum": -2, "maximum": 2, "description": "over the output tokens so far"},
     "frequency_penalty": {"minimum": -2, "maximum": 2, "description": "x each output token's count"},
-    "repetition_penalty": {
-        "exclusiveMinimum": 0,
-        "maximum": 2,
-        "description": "over prompt and output tokens; 1: off",
-    },
+    "repetition_penalty": {"exclusiveMinimum": 0, "description": "over prompt and output tokens; 1: off"},
     "logit_bias": {
         "maxProperties": MAX_LOGIT_BIAS,
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
