@@ -18,8 +18,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from conftest import _hf_model, hf_greedy, random_prompts, record_plans
 from pipeline_support import CongruenceWatch
 from pipeserve import LLM, SamplingParams
+from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.penalties import apply_processors
-from pipeserve.engine.plan import SamplingSpec
+from pipeserve.engine.plan import NewRequest, SamplingSpec, ScheduledChunk, StepPlan, seal
 from pipeserve.engine.sampler import Sampler
 
 MAX_TOKENS = 14
@@ -189,3 +190,26 @@ def test_a_huge_repetition_penalty_leaves_a_distribution() -> None:
         logits, ["a", "b"], [spec, greedy], [0, 0], [list(range(6)), list(range(6))]
     )
     assert not failures and len(tokens) == 2
+
+
+def _plan(step_id: int, new: list, chunks: list, freed: tuple[str, ...] = ()) -> StepPlan:
+    return seal(StepPlan(step_id=step_id, freed=list(freed), new_requests=new, chunks=chunks))
+
+
+def test_the_last_stage_rebuilds_histories_from_plans_and_refuses_gaps(llama_dir: Path) -> None:
+    """History = NewRequest.history + every chunk; a first chunk past it (a cache hit sent without its
+    tokens), or one that does not begin with the token this stage sampled, is a PlanMismatch;
+    freeing drops it, so a re-admission (preemption) starts afresh; plain rows keep none."""
+    runner = LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.runner
+    pen = _spec(frequency_penalty=1.0)
+    out = runner.execute(_plan(1, [NewRequest("a", pen, [5, 6])], [ScheduledChunk("a", [7, 8], 2, [0], 0)]))
+    assert runner.histories.get("a") == [5, 6, 7, 8]
+    sampled = out.sampled[0].token_id
+    with pytest.raises(PlanMismatch, match="sampled"):
+        runner.execute(_plan(2, [], [ScheduledChunk("a", [(sampled + 1) % 50], 4, [], 1)]))
+    with pytest.raises(PlanMismatch, match="token history holds 0"):
+        runner.execute(_plan(3, [NewRequest("b", pen)], [ScheduledChunk("b", [3], 2, [1], 0)]))
+    runner.execute(_plan(4, [NewRequest("c", _spec())], [ScheduledChunk("c", [1, 2], 0, [2], 0)], ("a", "b")))
+    assert runner.histories.get("a") is None and runner.histories.get("c") is None
+    runner.execute(_plan(5, [NewRequest("a", pen)], [ScheduledChunk("a", [1, 2, 3], 0, [3], 0)]))
+    assert runner.histories.get("a") == [1, 2, 3]
