@@ -153,9 +153,11 @@ def _bias(body: dict, key: str, default: Any) -> Any:
         raise errors.invalid(key, "must be an object mapping token ids to biases")
     out: dict[int, float] = {}
     for k, b in v.items():
-        t = _as_int(k) if not isinstance(k, str) else (int(k) if k.strip().isdecimal() else None)
-        if t is None:
-            raise errors.invalid(key, f"keys must be token ids, got {_short(k)}")
+        # At most 20 digits: int() raises past 4300 digits, and no vocabulary is that big.
+        digits = isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20
+        t = int(k) if digits else (_as_int(k) if not isinstance(k, str) else None)
+        if t is None or b is None:
+            raise errors.invalid(key, f"must map token ids to numbers, got {_short(k)}: {_short(b)}")
         out[t] = _number({key: b}, key, 0.0)
     return out
 
