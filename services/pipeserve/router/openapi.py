@@ -42,7 +42,7 @@ _TYPES: dict[Any, dict] = {
     list[int]: {"type": "array", "items": {"type": "integer"}},
     dict[int, float]: {
         "type": "object",
-        "propertyNames": {"pattern": "^[0-9]+$"},
+        "propertyNames": {"pattern": "^[0-9]{1,20}$"},
         "additionalProperties": {"type": "number"},
     },
 }
