@@ -811,6 +811,13 @@ MUTANTS = [
         "            row[seen] = scaled",
         "tests/engine/test_penalties.py -k huge",
     ),
+    (
+        "stop strings applied before min_tokens",
+        "services/pipeserve/detokenize.py",
+        "        if self._matcher is not None and self.num_tokens < self._min_tokens:",
+        "        if self._matcher is not None and self.num_tokens < 0:",
+        "tests/test_detokenize.py -k min_tokens",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

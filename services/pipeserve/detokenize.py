@@ -183,7 +183,8 @@ class TextStream:
         self.text += new
         held = 0
         if self._matcher is not None and self.num_tokens < self._min_tokens:
-            return self._release(len(self.text))  # no stop string yet: nothing to hold back
+            # No stop string yet, but its start may be here: hold back what the first scan may cut.
+            return self._release(len(self.text) if final else max(self.sent, len(self.text) - self._lookback))
         if self._matcher is not None:
             if self._min_tokens and self.num_tokens == self._min_tokens and not final:
                 self._state, begin = 0, max(0, begin - self._lookback)
