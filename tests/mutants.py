@@ -1152,6 +1152,62 @@ MUTANTS = [
         "            text = r.text",
         "tests/router/test_router_prompt_logprobs.py -k echo_with_logprobs",
     ),
+    (
+        "frequency penalty counted over the prompt too",
+        "services/pipeserve/engine/penalties.py",
+        "            outputs = torch.tensor(hist[len(hist) - n_out :], device=dev)",
+        "            outputs = torch.tensor(hist, device=dev)",
+        "tests/engine/test_penalties.py -k one_stage",
+    ),
+    (
+        "greedy rows skip the logits processors",
+        "services/pipeserve/engine/sampler.py",
+        "        tokens = chosen_from.argmax(dim=-1)",
+        "        tokens = logits.argmax(dim=-1)",
+        "tests/engine/test_penalties.py -k one_stage",
+    ),
+    (
+        "logit_bias dropped from the plan",
+        "services/pipeserve/engine/scheduler.py",
+        "        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],",
+        "        [],",
+        "tests/engine/test_penalties.py -k one_stage",
+    ),
+    (
+        "min_tokens off by one",
+        "services/pipeserve/engine/penalties.py",
+        "        if sample_indices[i] < s.min_tokens and s.min_tokens_stop_ids:",
+        "        if sample_indices[i] <= s.min_tokens and s.min_tokens_stop_ids:",
+        "tests/engine/test_penalties.py -k one_stage",
+    ),
+    (
+        "token history kept across preemption",
+        "services/pipeserve/engine/model_runner.py",
+        "            self.histories.free(rid)",
+        "            pass",
+        "tests/engine/test_penalties.py -k one_stage",
+    ),
+    (
+        "unset optional proto field read as proto3's 0",
+        "services/pipeserve/rpc/convert.py",
+        "            values[name] = _DEFAULTS[name]",
+        "            values[name] = getattr(msg, name)",
+        "tests/test_sampling_schema.py -k 'unset_optional or round_trip'",
+    ),
+    (
+        "a huge repetition penalty turns negative logits into -inf",
+        "services/pipeserve/engine/penalties.py",
+        "            row[seen] = torch.where(vals.isfinite(), scaled.clamp(min=-big), vals)",
+        "            row[seen] = scaled",
+        "tests/engine/test_penalties.py -k huge",
+    ),
+    (
+        "stop strings applied before min_tokens",
+        "services/pipeserve/detokenize.py",
+        "        if self._matcher is not None and self.num_tokens < self._min_tokens:",
+        "        if self._matcher is not None and self.num_tokens < 0:",
+        "tests/test_detokenize.py -k min_tokens",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -115,3 +115,20 @@ def test_held_suffix() -> None:
     assert held_suffix("abc world", ["world"]) == 0  # a whole match is not a proper prefix
     assert held_suffix("xx", ["x", "xxy"]) == 2
     assert held_suffix("", ["abc"]) == 0
+
+
+def test_no_stop_string_before_min_tokens() -> None:
+    """vLLM's min_tokens: stop strings are looked for from the min_tokens-th token on, including one
+    that began in the text before it (held back until then, so it is trimmed as vLLM trims it)."""
+    letters = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731
+    early = TextStream(letters, ["bc"], min_tokens=3)
+    sent = [early.push(t) for t in (1, 2)]
+    assert not early.stopped and "".join(sent) == "b"  # "c" may begin a stop string: held
+    sent += [early.push(1), early.push(2)]
+    assert early.stopped and early.text == "".join(sent) == "bc"
+    straddling = TextStream(letters, ["cd"], min_tokens=2)
+    sent = [straddling.push(2), straddling.push(3)]
+    assert straddling.stopped and straddling.text == "".join(sent) == ""
+    plain = TextStream(letters, ["bc"], min_tokens=5)
+    sent = [plain.push(t) for t in (1, 2, 0)] + [plain.finish()]
+    assert not plain.stopped and "".join(sent) == plain.text == "bca"

@@ -32,6 +32,11 @@ NON_DEFAULT = {
     "structured": "[a-z]+",
     "structured_compact": True,
     "prompt_logprobs": 3,
+    "presence_penalty": -2.0,
+    "frequency_penalty": 1.5,
+    "repetition_penalty": 2.0,
+    "logit_bias": {1: -100.0, 1023: 2.5},
+    "min_tokens": 3,
 }
 # Read from other JSON fields (router/structured.py): response_format, guided_*, structured_outputs.
 STRUCTURED = {"structured_kind", "structured", "structured_compact"}
@@ -59,6 +64,14 @@ def test_proto_round_trip_of_every_field() -> None:
     assert sampling_from_proto(plain) == SamplingParams()
     with pytest.raises(ValueError, match="resolved"):
         sampling_to_proto(SamplingParams(max_tokens=None))
+
+
+def test_unset_optional_proto_fields_read_as_their_defaults() -> None:
+    """A gRPC client that never heard of repetition_penalty sends none: 1 (off), not proto3's 0."""
+    msg = pb.SamplingParams(max_tokens=4, top_p=1.0, temperature=0.0)
+    assert not msg.HasField("repetition_penalty")
+    got = sampling_from_proto(msg)
+    assert got.repetition_penalty == 1.0 and got.presence_penalty == 0.0 and got.logit_bias == {}
 
 
 def test_a_bad_proto_is_an_invalid_request_naming_the_field() -> None:
@@ -94,6 +107,15 @@ def test_every_field_is_read_from_the_json_body() -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"stop_token_ids": [1, True]}, "stop_token_ids"),
+        ({"presence_penalty": 2.01}, "presence_penalty"),
+        ({"frequency_penalty": -(10**400)}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),
     ],
 )
 def test_validation_names_the_field_and_never_overflows(kw: dict, param: str) -> None:
@@ -119,6 +141,9 @@ def test_the_engine_runs_the_routers_prompt_checks(llama_dir: Path) -> None:
     with pytest.raises(InvalidRequestError) as err:
         llm.engine.validate([1, 2], SamplingParams(stop_token_ids=[10**6]))
     assert err.value.param == "stop_token_ids"
+    with pytest.raises(InvalidRequestError) as err:
+        llm.engine.validate([1, 2], SamplingParams(logit_bias={10**6: 1.0}))
+    assert err.value.param == "logit_bias"
     with pytest.raises(InvalidRequestError) as err:
         llm.engine.validate([1, 2], SamplingParams(max_tokens=None))
     assert err.value.param == "max_tokens"

@@ -148,10 +148,16 @@ def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
 class TextStream:
     """Detokenized text of one choice, with stop strings applied; see the module docstring."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
+    def __init__(
+        self, decode: Callable[[list[int]], str], stops: Sequence[str] = (), min_tokens: int = 0
+    ) -> None:
         self._detok = IncrementalDetokenizer(decode)
         stops = tuple(s for s in stops if s)
         self._matcher = stop_matcher(stops) if stops else None
+        # vLLM's min_tokens: no stop string is looked for before that many tokens; the first scan
+        # after starts a longest-stop-minus-one back, so a stop string ending in the new text is found.
+        self._min_tokens = min_tokens
+        self._lookback = max((len(s) for s in stops), default=1) - 1
         self._state = 0  # the matcher's state after `text`
         self.steps = 0  # matcher transitions taken so far: linear in len(text) (tests bound it)
         self.text = ""  # decoded text so far, trimmed at a stop string once one is found
@@ -176,7 +182,12 @@ class TextStream:
         begin = len(self.text)
         self.text += new
         held = 0
+        if self._matcher is not None and self.num_tokens < self._min_tokens:
+            # No stop string yet, but its start may be here: hold back what the first scan may cut.
+            return self._release(len(self.text) if final else max(self.sent, len(self.text) - self._lookback))
         if self._matcher is not None:
+            if self._min_tokens and self.num_tokens == self._min_tokens and not final:
+                self._state, begin = 0, max(0, begin - self._lookback)
             # Only `new` is scanned: the state carries what the text before it can still contribute.
             self._state, hit, steps = self._matcher.scan(self._state, self.text, begin)
             self.steps += steps

@@ -41,6 +41,7 @@ ROUTER_ONLY = {"wire": False}  # field metadata: applied by the router, not sent
 MAX_SEED = 2**64 - 1  # the wire's uint64
 MAX_TOP_K = 2**31 - 1  # the wire's int32
 MAX_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs: the router and stage 0 refuse more
+MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI documents no limit; keeps plans small)
 
 
 @dataclass
@@ -64,6 +65,12 @@ class SamplingParams:
     # vLLM's extension: None off; k >= 0: each prompt token's logprob and rank + the top k there
     # (engine/prompt_logprobs.py); such a request takes no prefix-cache hit (as vLLM v1).
     prompt_logprobs: int | None = None
+    # Logits processors (vLLM's definitions; engine/penalties.py applies them on the last stage).
+    presence_penalty: float = 0.0  # [-2, 2], over the output tokens so far
+    frequency_penalty: float = 0.0  # [-2, 2], x count of each token in the output so far
+    repetition_penalty: float = 1.0  # > 0 (vLLM's bound), over prompt and output tokens (HF's definition)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
+    min_tokens: int = 0  # EOS / stop_token_ids / stop strings not before this many output tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +115,24 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"must be a boolean, got {_show(self.ignore_eos)}")
         _check_structured(self, fail)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_finite(v) or not -2 <= v <= 2:
+                fail(name, f"must be in [-2, 2], got {_show(v)}")
+        if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0:
+            fail("repetition_penalty", f"must be a finite number > 0, got {_show(self.repetition_penalty)}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            fail("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for t, b in bias.items():
+            if not _is_int(t) or t < 0:
+                fail("logit_bias", f"keys must be token ids (non-negative integers), got {_show(t)}")
+            if not _is_finite(b) or not -100 <= b <= 100:
+                fail("logit_bias", f"biases must be in [-100, 100], got {_show(b)} for token {t}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", f"must be an integer >= 0, got {_show(self.min_tokens)}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -179,6 +204,11 @@ def check_prompt(
     if bad:
         raise InvalidRequestError(
             "stop_token_ids", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+        )
+    bad = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(
+            "logit_bias", f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
         )
 
 

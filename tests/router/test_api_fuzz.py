@@ -127,7 +127,9 @@ SAMPLING = {
     "prompt_logprobs": INTS,
     "frequency_penalty": FLOATS,
     "presence_penalty": FLOATS,
-    "logit_bias": ANY,
+    "repetition_penalty": FLOATS,
+    "logit_bias": st.dictionaries(st.integers(-2, VOCAB + 2).map(str) | TEXT, FLOATS | ANY, max_size=4) | ANY,
+    "min_tokens": INTS,
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
     | st.fixed_dictionaries(
         {
@@ -195,6 +197,11 @@ VALID = {
     "return_token_ids": st.booleans(),
     "n": st.integers(1, 4),
     "prompt_logprobs": st.integers(0, 5),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0, 2, exclude_min=True) | st.sampled_from([1e-30, 1e30, 1e300]),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=5),
+    "min_tokens": st.integers(0, 8),
 }
 VALID_COMPLETION = st.fixed_dictionaries(
     {"model": st.just(NAME), "prompt": OK_TEXT | TOKEN_IDS, "max_tokens": st.integers(1, 8)},

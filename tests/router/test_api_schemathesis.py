@@ -61,6 +61,7 @@ DEPLOYMENT_LIMITS = (
     # structured outputs: what the group's grammar compiler refuses, one kind per request
     "does not compile",
     "only one structured output",
+    "must be <= max_tokens",  # min_tokens above max_tokens (or the context's room): not in a JSON Schema
 )
 
 STATUSES: Counter[tuple[str, int]] = Counter()  # (generation mode, status): reported after the run

@@ -57,8 +57,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ({"echo": "yes"}, "echo"),
         ({"max_tokens": 0, "echo": False}, "max_tokens"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"model": 7}, "model"),
         # An integer literal too large for a float is a 400, not an OverflowError.
         ({"temperature": 10**400}, "temperature"),
@@ -196,7 +196,7 @@ def test_max_tokens_beyond_the_context_names_the_field_sent() -> None:
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"n": 129}, "n"),
-        ({"presence_penalty": 1}, "presence_penalty"),
+        ({"presence_penalty": -2.1}, "presence_penalty"),
     ],
 )
 def test_bad_chat_fields_are_400_naming_the_field(extra: dict, param: str) -> None:

@@ -55,6 +55,9 @@ def _create(client: openai.OpenAI, **kw):
         tools=TOOLS,  # type: ignore[arg-type]
         max_tokens=MAX_TOKENS,
         temperature=0,
+        # xgrammar's JSON allows any whitespace (as vLLM's): a frequency penalty keeps the random
+        # demo model from writing it forever, the schema still decides every other token.
+        frequency_penalty=2.0,
         **kw,
     )
 

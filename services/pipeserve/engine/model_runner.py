@@ -31,6 +31,7 @@ import torch
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.grammar import GrammarBook, GrammarRows
+from pipeserve.engine.penalties import TokenHistories
 from pipeserve.engine.plan import (
     LoadAck,
     PromptScores,
@@ -140,6 +141,7 @@ class ModelRunner:
         self.device = kv_pool.device
         self.rank = rank
         self.sampler = Sampler(self.device, seed)
+        self.histories = TokenHistories()  # penalties' token histories; filled on the last stage only
         self.reqs: dict[str, _ReqState] = {}
         # block id -> number of request tables holding it (prefix hits share blocks)
         self.block_refs: dict[int, int] = {}
@@ -165,6 +167,7 @@ class ModelRunner:
             gone = self.reqs.pop(rid, None)
             if gone is None:
                 raise PlanMismatch(f"step {plan.step_id}: freed unknown request {rid!r}")
+            self.histories.free(rid)
             for b in gone.block_ids:
                 if self.block_refs[b] == 1:
                     del self.block_refs[b]
@@ -179,6 +182,8 @@ class ModelRunner:
                 self.grammar.admit(
                     new.req_id, sp.structured_kind, sp.structured, sp.structured_compact, new.replay
                 )
+            if self.model.stage.is_last:
+                self.histories.admit(new.req_id, new.sampling, new.history)
         for c in plan.chunks:
             st = self.reqs.get(c.req_id)
             if st is None:
@@ -193,6 +198,8 @@ class ModelRunner:
                     f"step {plan.step_id}: {c.req_id!r} chunk starts at {c.start_pos}, "
                     f"stage holds {st.num_tokens} tokens"
                 )
+            if (why := self.histories.extend(c.req_id, c.start_pos, c.token_ids)) is not None:
+                raise PlanMismatch(f"step {plan.step_id}: {why}")
             st.block_ids += c.new_block_ids
             for b in c.new_block_ids:
                 self.block_refs[b] = self.block_refs.get(b, 0) + 1
@@ -318,13 +325,12 @@ class ModelRunner:
         req_ids = [step.sample_req_ids[i] for i in rows]
         indices = [step.sample_indices[i] for i in rows]
         if self.grammar is None or not self.grammar.rows:  # no constrained request: no mask, no copy
-            return self.sampler(logits, req_ids, [self.reqs[r].sampling for r in req_ids], indices)
+            return self._sample_rows(logits, req_ids, indices)
         # --- structured outputs (engine/grammar.py): mask constrained rows, advance their matchers
         bad = self.grammar.mask(logits, req_ids, indices)
         keep = [j for j, r in enumerate(req_ids) if r not in bad]
         req_ids = [req_ids[j] for j in keep]
-        specs = [self.reqs[r].sampling for r in req_ids]
-        tokens, failures = self.sampler(logits[keep], req_ids, specs, [indices[j] for j in keep])
+        tokens, failures = self._sample_rows(logits[keep], req_ids, [indices[j] for j in keep])
         failures += [RequestFailure(r, why) for r, why in bad.items()]
         out = []
         for tok in tokens:
@@ -334,6 +340,17 @@ class ModelRunner:
             else:
                 out.append(msgspec.structs.replace(tok, grammar_end=True) if ended else tok)
         return out, failures
+
+    def _sample_rows(
+        self, logits: torch.Tensor, req_ids: list[str], indices: list[int]
+    ) -> tuple[list[SampledToken], list[RequestFailure]]:
+        """The sampler over these rows, with the token histories penalties read (engine/penalties.py)."""
+        specs = [self.reqs[r].sampling for r in req_ids]
+        histories = [self.histories.get(r) for r in req_ids] if len(self.histories) else None
+        tokens, failures = self.sampler(logits, req_ids, specs, indices, histories)
+        for t in tokens:
+            self.histories.sampled(t.req_id, t.token_id)
+        return tokens, failures
 
     def _score(
         self, step: PreparedStep, hidden: torch.Tensor, failed: set[str]

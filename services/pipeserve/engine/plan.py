@@ -36,6 +36,13 @@ class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
     structured: str = ""
     structured_compact: bool = False
     prompt_logprobs: int | None = None  # score the prompt positions chunks name (score_rows)
+    # Logits processors (engine/penalties.py); the defaults leave a row untouched.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []  # sorted by token id
+    min_tokens: int = 0
+    min_tokens_stop_ids: list[int] = []  # EOS (unless ignore_eos) + stop_token_ids, masked until min_tokens
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -46,6 +53,9 @@ class NewRequest(msgspec.Struct, array_like=True, frozen=True):
     # A constrained request's output tokens so far: the last stage replays them into a fresh
     # grammar matcher at every admission (empty for unconstrained requests).
     replay: list[int] = []
+    # The tokens before its first chunk (a prefix-cache hit), only when its penalties need the
+    # token history (penalties.needs_history): the last stage rebuilds that history from them.
+    history: list[int] = []
 
 
 class ScheduledChunk(msgspec.Struct, array_like=True, frozen=True):

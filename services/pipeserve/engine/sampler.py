@@ -6,7 +6,9 @@ same tokens whatever the batch mix, chunking or preemption history. Unseeded
 requests draw from the stage's generator.
 
 Logprobs are taken from the raw (unscaled, unfiltered) distribution, as vLLM
-does by default.
+does by default (`raw_logprobs`): before the logits processors too
+(penalties, logit_bias, min_tokens — engine/penalties.py), which pick the
+token of greedy and random rows alike.
 
 No accepted parameter can produce NaN/inf probabilities:
 * temperature < SAMPLING_EPS samples greedily (vLLM's rule); larger ones are
@@ -31,6 +33,7 @@ import logging
 import torch
 import xxhash
 
+from pipeserve.engine.penalties import apply_processors
 from pipeserve.engine.plan import RequestFailure, SampledToken, SamplingSpec
 from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.sampling_params import SAMPLING_EPS
@@ -96,11 +99,13 @@ class Sampler:
         req_ids: list[str],
         specs: list[SamplingSpec],
         sample_indices: list[int],
+        histories: list[list[int] | None] | None = None,
     ) -> tuple[list[SampledToken], list[RequestFailure]]:
-        """logits [R, V], one row per request to sample -> (tokens, failures); each row is in exactly one."""
+        """logits [R, V], one row per request to sample -> (tokens, failures); each row is in exactly one.
+        histories: each row's token history (penalties.TokenHistories), None where not kept."""
         logits = _finite(logits)
         try:
-            return self._sample(logits, req_ids, specs, sample_indices), []
+            return self._sample(logits, req_ids, specs, sample_indices, histories), []
         except Exception:  # noqa: BLE001 - isolate the row(s) that raise, below (logged with exc_info)
             self._fallbacks.warning(
                 "batched", "batched sampling failed; sampling %d rows one by one", len(req_ids), exc_info=True
@@ -109,19 +114,31 @@ class Sampler:
         failures: list[RequestFailure] = []
         for i, rid in enumerate(req_ids):
             try:
-                tokens += self._sample(logits[i : i + 1], [rid], [specs[i]], [sample_indices[i]])
+                hist = None if histories is None else [histories[i]]
+                tokens += self._sample(logits[i : i + 1], [rid], [specs[i]], [sample_indices[i]], hist)
             except Exception as e:  # the request's failure, not the group's
                 log.exception("request %s: sampling failed", rid)
                 failures.append(RequestFailure(rid, f"sampling failed: {type(e).__name__}: {e}"))
         return tokens, failures
 
     def _sample(
-        self, logits: torch.Tensor, req_ids: list[str], specs: list[SamplingSpec], sample_indices: list[int]
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        specs: list[SamplingSpec],
+        sample_indices: list[int],
+        histories: list[list[int] | None] | None = None,
     ) -> list[SampledToken]:
-        tokens = logits.argmax(dim=-1)
+        # --- logits processors (penalties.py): `chosen_from` picks the token, `logits` (raw) gives
+        # the logprobs. The same tensor when no row uses one. ---
+        chosen_from = apply_processors(logits, specs, sample_indices, histories)
+        if chosen_from is not logits:
+            chosen_from = _finite(chosen_from)  # a logit / 0.01 may overflow
+        # --- end of logits processors ---
+        tokens = chosen_from.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(specs) if not is_greedy(s)]
         if random_rows:
-            probs = _filter(logits[random_rows], [specs[i] for i in random_rows])
+            probs = _filter(chosen_from[random_rows], [specs[i] for i in random_rows])
             for j, i in enumerate(random_rows):
                 seed = specs[i].seed
                 gen = (

@@ -31,6 +31,7 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
+from pipeserve.engine.penalties import needs_history
 from pipeserve.engine.plan import (
     BlockCopy,
     LoadOrder,
@@ -53,8 +54,9 @@ class ResultMismatch(RuntimeError):
     """A step's result contradicts its plan: a protocol failure (the group stops)."""
 
 
-def sampling_spec(req: Request) -> SamplingSpec:
+def sampling_spec(req: Request, eos_token_ids: frozenset[int] = frozenset()) -> SamplingSpec:
     p = req.params
+    stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
     # Exact field types: the digest covers the encoding, and followers re-encode what
     # they decoded (an int 0 for a float field would hash differently on the next stage).
     return SamplingSpec(
@@ -68,6 +70,12 @@ def sampling_spec(req: Request) -> SamplingSpec:
         str(p.structured),
         bool(p.structured_compact),
         None if p.prompt_logprobs is None else int(p.prompt_logprobs),
+        float(p.presence_penalty),
+        float(p.frequency_penalty),
+        float(p.repetition_penalty),
+        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],
+        int(p.min_tokens),
+        stop_ids if p.min_tokens > 0 else [],
     )
 
 
@@ -232,9 +240,11 @@ class Scheduler:
             req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            spec = sampling_spec(req, self.eos_token_ids)
             # A constrained request's matcher is rebuilt from its outputs (engine/grammar.py).
             replay = list(req.output_token_ids) if req.params.structured_kind else []
-            new_reqs.append(NewRequest(req.req_id, sampling_spec(req), replay))
+            history = tokens[:start] if needs_history(spec) else []
+            new_reqs.append(NewRequest(req.req_id, spec, replay, history))
             req.in_executors = True
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n

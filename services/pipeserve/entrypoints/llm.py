@@ -131,7 +131,9 @@ class LLM:
         reqs: list[Request] = [
             self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)
         ]
-        streams = [_Output(req, TextStream(self._decode, req.params.stop)) for req in reqs]
+        streams = [
+            _Output(req, TextStream(self._decode, req.params.stop, req.params.min_tokens)) for req in reqs
+        ]
         try:
             while self.engine.has_unfinished():
                 self.engine.step()

@@ -15,8 +15,8 @@ the authority; this module documents it and must never contradict it:
   whose type has no entry in `_TYPES` fails at import, as in protocol.py.
 * JSON null means "not given" for every optional field, so each is nullable.
 * Fields the engine does not implement are described by the one value they
-  may take (penalties 0, tools empty...): any other is a 400. Cross-field rules
-  JSON Schema cannot state (best_of >= n) are in words, the schema stricter.
+  may take (tools empty...): any other is a 400. Cross-field rules
+  JSON Schema cannot state (best_of >= n, min_tokens <= max_tokens) are in words, the schema stricter.
 * Responses: 200 as JSON, or as text/event-stream (`data: {chunk}` events
   ending with `data: [DONE]`) when `stream` is true; errors in OpenAI's shape.
 """
@@ -30,7 +30,14 @@ from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.router import openapi_tools
 from pipeserve.router.openapi_structured import structured_properties
 from pipeserve.router.protocol import MAX_N
-from pipeserve.sampling_params import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K, SamplingParams, default_of
+from pipeserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_TOP_K,
+    SamplingParams,
+    default_of,
+)
 
 # As in protocol.py: each endpoint reads these its own way (structured*: router/structured.py).
 _PER_ENDPOINT = ("max_tokens", "logprobs", "structured_kind", "structured", "structured_compact")
@@ -45,6 +52,11 @@ _TYPES: dict[Any, dict] = {
     bool: {"type": "boolean"},
     list[str]: {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING}]},
     list[int]: {"type": "array", "items": {"type": "integer"}},
+    dict[int, float]: {
+        "type": "object",
+        "propertyNames": {"pattern": "^[0-9]{1,20}$"},
+        "additionalProperties": {"type": "number"},
+    },
 }
 _RANGES: dict[str, dict] = {
     "max_tokens": {"minimum": 1},
@@ -70,6 +82,18 @@ _RANGES: dict[str, dict] = {
     "stop_token_ids": {
         "items": {"type": "integer", "minimum": 0},
         "description": "token ids in the model's vocabulary",
+    },
+    "presence_penalty": {"minimum": -2, "maximum": 2, "description": "over the output tokens so far"},
+    "frequency_penalty": {"minimum": -2, "maximum": 2, "description": "x each output token's count"},
+    "repetition_penalty": {"exclusiveMinimum": 0, "description": "over prompt and output tokens; 1: off"},
+    "logit_bias": {
+        "maxProperties": MAX_LOGIT_BIAS,
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id (in the model's vocabulary) -> bias added to its logit",
+    },
+    "min_tokens": {
+        "minimum": 0,
+        "description": "no EOS, stop_token_ids or stop string before this many tokens; <= max_tokens",
     },
 }
 
@@ -128,10 +152,6 @@ _COMMON = {
             "samples with seed + j; each prompt's n (or best_of) requests count against max_concurrency",
         }
     ),
-    "frequency_penalty": _only(0, "number"),
-    "presence_penalty": _only(0, "number"),
-    "repetition_penalty": _only(1, "number"),
-    "logit_bias": nullable({"type": "object", "maxProperties": 0, "description": "not supported"}),
 }
 # stream_options is refused unless stream is true (protocol._stream_fields).
 _STREAM_OPTIONS_NEED_STREAM = {

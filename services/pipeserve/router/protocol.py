@@ -22,8 +22,11 @@ field the client sent). Rules:
 * `n` (1..MAX_N, both endpoints) and `best_of` (completions: n..MAX_N, equal
   to n when streaming, as vLLM) are read here and fanned out by router/fanout.py.
 * `echo` (completions) and `prompt_logprobs` (both): router/echo.py; `max_tokens: 0` only with echo.
+* `logit_bias` is an object mapping token ids (JSON strings of integers,
+  as OpenAI's) to numbers; the ranges of it and of the penalties and
+  `min_tokens` are SamplingParams' checks.
 * Features the engine does not implement are refused, not ignored:
-  suffix, non-zero penalties, logit_bias, legacy functions/function_call,
+  suffix, legacy functions/function_call,
   `stream_options` without `stream: true`.
 * Chat's tools, tool_choice, parallel_tool_calls and the tool fields of
   messages are read by router/tools.py (`ChatRequest.tools`); a forced
@@ -159,6 +162,24 @@ def _token_list(v: Any) -> list[int] | None:
     return None if None in ids else ids  # type: ignore[return-value]
 
 
+def _bias(body: dict, key: str, default: Any) -> Any:
+    """OpenAI's logit_bias: {"token id": bias}; keys are decimal strings (or ints from a JSON-less client)."""
+    v = _get(body, key)
+    if v is _MISSING:
+        return default
+    if not isinstance(v, dict):
+        raise errors.invalid(key, "must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        # At most 20 digits: int() raises past 4300 digits, and no vocabulary is that big.
+        digits = isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20
+        t = int(k) if digits else (_as_int(k) if not isinstance(k, str) else None)
+        if t is None or b is None:
+            raise errors.invalid(key, f"must map token ids to numbers, got {_short(k)}: {_short(b)}")
+        out[t] = _number({key: b}, key, 0.0)
+    return out
+
+
 # How each SamplingParams annotation is read from JSON. A field whose type is not here
 # fails at import: give it a reader (or read it per endpoint).
 _READERS = {
@@ -168,6 +189,7 @@ _READERS = {
     bool: _bool,
     list[str]: _strings,
     list[int]: _ints,
+    dict[int, float]: _bias,
 }
 _HINTS = get_type_hints(SamplingParams)
 _SAMPLING_FIELDS = [
@@ -243,17 +265,6 @@ def _best_of(body: dict, n: int, stream: bool) -> int:
     return best_of
 
 
-def _refuse_unsupported(body: dict) -> None:
-    for key in ("frequency_penalty", "presence_penalty"):
-        if _number(body, key, 0.0) != 0.0:
-            raise errors.invalid(key, "is not supported (must be 0)")
-    if _number(body, "repetition_penalty", 1.0) != 1.0:
-        raise errors.invalid("repetition_penalty", "is not supported (must be 1)")
-    bias = _get(body, "logit_bias")
-    if bias is not _MISSING and (not isinstance(bias, dict) or bias):
-        raise errors.invalid("logit_bias", "is not supported")
-
-
 def _stream_fields(body: dict) -> tuple[bool, bool]:
     stream = _bool(body, "stream", False)
     options = _get(body, "stream_options")
@@ -318,7 +329,6 @@ def parse_completion(body: Any) -> CompletionRequest:
     asked_prompt_logprobs = params.prompt_logprobs
     if echo and logprobs is not None:  # the echoed tokens' logprobs come from the prompt's scores
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
-    _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
     n = _n(body)
     return CompletionRequest(
@@ -391,7 +401,6 @@ def parse_chat(body: Any) -> ChatRequest:
         body = {**body, "guided_json": schema}
     structured = parse_structured(body)
     params = _sampling(body, max_tokens, max_param, (top or 0) if want_logprobs else None, structured)
-    _refuse_unsupported(body)
     stream, include_usage = _stream_fields(body)
     return ChatRequest(
         _model(body),

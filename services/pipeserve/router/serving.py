@@ -64,7 +64,7 @@ class Choice:
         self.request_id = request_id
         self.arrival = arrival
         self.keep_logprobs = params.logprobs is not None
-        self.text = TextStream(tok.decode, params.stop)
+        self.text = TextStream(tok.decode, params.stop, params.min_tokens)
         self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids), prompt_token_ids=list(prompt_ids))
         self._stream: GenerateStream | None = None
         self._first: pb.GenerateResponse | None = None

@@ -10,7 +10,9 @@ Contract:
   other way round; checked when this module is imported, so a half-added
   field fails at start-up, not on the first request;
 * a proto3 `optional` field is unset exactly when the Python value is None
-  (HasField), a `repeated` field is a list, anything else a scalar;
+  or the field's default (HasField); an unset one reads as the dataclass
+  default (`repetition_penalty` 1, not proto3's 0); a `repeated` field is a
+  list, a `map` a dict, anything else a scalar;
 * `max_tokens` must be resolved (an int) before it goes on the wire: None
   ("up to the context") is resolved by the router against the prompt.
 `sampling_from_proto` validates (SamplingParams' own checks): a bad message
@@ -23,10 +25,11 @@ from dataclasses import fields
 from typing import Any
 
 from pipeserve.rpc import generation_pb2 as pb
-from pipeserve.sampling_params import SamplingParams
+from pipeserve.sampling_params import SamplingParams, default_of
 
 _PROTO = pb.SamplingParams.DESCRIPTOR.fields_by_name
 WIRE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.metadata.get("wire", True))
+_DEFAULTS = {f.name: default_of(f) for f in fields(SamplingParams) if f.name in WIRE_FIELDS}
 
 
 def _check_schema() -> None:
@@ -46,6 +49,11 @@ def _repeated(name: str) -> bool:
     return _PROTO[name].is_repeated
 
 
+def _map(name: str) -> bool:
+    desc = _PROTO[name].message_type
+    return desc is not None and desc.GetOptions().map_entry
+
+
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     if params.max_tokens is None:
         raise ValueError("max_tokens must be resolved against the prompt before it is sent")
@@ -54,7 +62,9 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         value = getattr(params, name)
         if value is None:
             continue  # an optional field left unset
-        if _repeated(name):
+        if _map(name):
+            getattr(msg, name).update(value)
+        elif _repeated(name):
             getattr(msg, name).extend(value)
         else:
             setattr(msg, name, value)
@@ -65,7 +75,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     values: dict[str, Any] = {}
     for name in WIRE_FIELDS:
         if _PROTO[name].has_presence and not _repeated(name) and not msg.HasField(name):
-            values[name] = None
+            values[name] = _DEFAULTS[name]  # unset: the default (None for seed/logprobs, 1 for repetition)
+        elif _map(name):
+            values[name] = dict(getattr(msg, name))
         elif _repeated(name):
             values[name] = list(getattr(msg, name))
         else:

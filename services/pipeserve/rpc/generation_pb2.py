@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epipeserve/rpc/generation.proto\x12\x0cpipeserve.v1\"\xcd\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fstructured_kind\x18\x14 \x01(\t\x12\x12\n\nstructured\x18\x15 \x01(\t\x12\x1a\n\x12structured_compact\x18\x16 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x1e \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"o\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pipeserve.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pipeserve.v1.TopLogprob\"\xce\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.pipeserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pipeserve.v1.PromptLogprob\"U\n\rPromptLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pipeserve.v1.TopLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xa8\x01\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1b\n\x13seconds_since_token\x18\x06 \x01(\x01\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\"\r\n\x0bLoadRequest\"y\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0epending_tokens\x18\x05 \x01(\x04\x32\x9f\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.pipeserve.v1.GenerateRequest\x1a\x1e.pipeserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pipeserve.v1.AbortRequest\x1a\x1b.pipeserve.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.pipeserve.v1.HealthRequest\x1a\x1c.pipeserve.v1.HealthResponse\x12=\n\x04Load\x12\x19.pipeserve.v1.LoadRequest\x1a\x1a.pipeserve.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epipeserve/rpc/generation.proto\x12\x0cpipeserve.v1\"\xc1\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0fstructured_kind\x18\x14 \x01(\t\x12\x12\n\nstructured\x18\x15 \x01(\t\x12\x1a\n\x12structured_compact\x18\x16 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x1e \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x03\x88\x01\x01\x12?\n\nlogit_bias\x18\r \x03(\x0b\x32+.pipeserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"o\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.pipeserve.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pipeserve.v1.TopLogprob\"\xce\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12,\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1a.pipeserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.pipeserve.v1.PromptLogprob\"U\n\rPromptLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.pipeserve.v1.TopLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xa8\x01\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1b\n\x13seconds_since_token\x18\x06 \x01(\x01\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\"\r\n\x0bLoadRequest\"y\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0epending_tokens\x18\x05 \x01(\x04\x32\x9f\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.pipeserve.v1.GenerateRequest\x1a\x1e.pipeserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pipeserve.v1.AbortRequest\x1a\x1b.pipeserve.v1.AbortResponse\x12\x43\n\x06Health\x12\x1b.pipeserve.v1.HealthRequest\x1a\x1c.pipeserve.v1.HealthResponse\x12=\n\x04Load\x12\x19.pipeserve.v1.LoadRequest\x1a\x1a.pipeserve.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pipeserve.rpc.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=49
-  _globals['_SAMPLINGPARAMS']._serialized_end=382
-  _globals['_GENERATEREQUEST']._serialized_start=384
-  _globals['_GENERATEREQUEST']._serialized_end=495
-  _globals['_TOPLOGPROB']._serialized_start=497
-  _globals['_TOPLOGPROB']._serialized_end=544
-  _globals['_TOKENLOGPROB']._serialized_start=546
-  _globals['_TOKENLOGPROB']._serialized_end=616
-  _globals['_GENERATERESPONSE']._serialized_start=619
-  _globals['_GENERATERESPONSE']._serialized_end=825
-  _globals['_PROMPTLOGPROB']._serialized_start=827
-  _globals['_PROMPTLOGPROB']._serialized_end=912
-  _globals['_ABORTREQUEST']._serialized_start=914
-  _globals['_ABORTREQUEST']._serialized_end=948
-  _globals['_ABORTRESPONSE']._serialized_start=950
-  _globals['_ABORTRESPONSE']._serialized_end=980
-  _globals['_HEALTHREQUEST']._serialized_start=982
-  _globals['_HEALTHREQUEST']._serialized_end=997
-  _globals['_HEALTHRESPONSE']._serialized_start=1000
-  _globals['_HEALTHRESPONSE']._serialized_end=1168
-  _globals['_LOADREQUEST']._serialized_start=1170
-  _globals['_LOADREQUEST']._serialized_end=1183
-  _globals['_LOADRESPONSE']._serialized_start=1185
-  _globals['_LOADRESPONSE']._serialized_end=1306
-  _globals['_GENERATION']._serialized_start=1309
-  _globals['_GENERATION']._serialized_end=1596
+  _globals['_SAMPLINGPARAMS']._serialized_end=626
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=513
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=561
+  _globals['_GENERATEREQUEST']._serialized_start=628
+  _globals['_GENERATEREQUEST']._serialized_end=739
+  _globals['_TOPLOGPROB']._serialized_start=741
+  _globals['_TOPLOGPROB']._serialized_end=788
+  _globals['_TOKENLOGPROB']._serialized_start=790
+  _globals['_TOKENLOGPROB']._serialized_end=860
+  _globals['_GENERATERESPONSE']._serialized_start=863
+  _globals['_GENERATERESPONSE']._serialized_end=1069
+  _globals['_PROMPTLOGPROB']._serialized_start=1071
+  _globals['_PROMPTLOGPROB']._serialized_end=1156
+  _globals['_ABORTREQUEST']._serialized_start=1158
+  _globals['_ABORTREQUEST']._serialized_end=1192
+  _globals['_ABORTRESPONSE']._serialized_start=1194
+  _globals['_ABORTRESPONSE']._serialized_end=1224
+  _globals['_HEALTHREQUEST']._serialized_start=1226
+  _globals['_HEALTHREQUEST']._serialized_end=1241
+  _globals['_HEALTHRESPONSE']._serialized_start=1244
+  _globals['_HEALTHRESPONSE']._serialized_end=1412
+  _globals['_LOADREQUEST']._serialized_start=1414
+  _globals['_LOADREQUEST']._serialized_end=1427
+  _globals['_LOADRESPONSE']._serialized_start=1429
+  _globals['_LOADRESPONSE']._serialized_end=1550
+  _globals['_GENERATION']._serialized_start=1553
+  _globals['_GENERATION']._serialized_end=1840
 # @@protoc_insertion_point(module_scope)
