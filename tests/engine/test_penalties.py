@@ -202,7 +202,9 @@ def test_the_last_stage_rebuilds_histories_from_plans_and_refuses_gaps(llama_dir
     freeing drops it, so a re-admission (preemption) starts afresh; plain rows keep none."""
     runner = LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.runner
     pen = _spec(frequency_penalty=1.0)
-    out = runner.execute(_plan(1, [NewRequest("a", pen, [5, 6])], [ScheduledChunk("a", [7, 8], 2, [0], 0)]))
+    out = runner.execute(
+        _plan(1, [NewRequest("a", pen, history=[5, 6])], [ScheduledChunk("a", [7, 8], 2, [0], 0)])
+    )
     assert runner.histories.get("a") == [5, 6, 7, 8]
     sampled = out.sampled[0].token_id
     with pytest.raises(PlanMismatch, match="sampled"):
