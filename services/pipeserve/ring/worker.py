@@ -103,11 +103,15 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     split = layer_split(config, cfg.num_layers)
     spec = StageSpec(rank, config.stages, *split[rank])
     device = stage_device(config, rank)
-    model = load_stage_model(config.model, cfg, spec, max_len, device)
+    model = load_stage_model(
+        config.model, cfg, spec, max_len, device, config.quantization, config.quantization_group_size
+    )
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
     pool_dtype = kv_dtype(config, cfg)
     host_slots = num_host_slots(config, cfg, spec.num_layers)
-    fingerprint = model_fingerprint(config.model, cfg.dtype)
+    fingerprint = model_fingerprint(
+        config.model, cfg.dtype, config.quantization, config.quantization_group_size
+    )
     link = None
     if rdzv is not None and config.stages > 1:
         meta_pg, store = join(rdzv, config.connect_timeout_s)
