@@ -762,6 +762,20 @@ MUTANTS = [
         "        run = n",
         "tests/kernels/test_cpu_linear.py",
     ),
+    (
+        "int4 zero point ignored (the group minimum dropped)",
+        "services/pipeserve/model/quant.py",
+        "        zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z",
+        "        zeros = 8.0 * s",
+        "tests/model/test_quant.py",
+    ),
+    (
+        "the fingerprint ignores the quantization",
+        "services/pipeserve/model/loader.py",
+        '        h.update(f"|q={quantization}|g={group_size}".encode())',
+        "        pass",
+        "tests/model/test_quant.py",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
