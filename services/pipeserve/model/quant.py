@@ -47,6 +47,10 @@ def dequantize_int4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group: in
 
 
 class Int8Linear(nn.Module):
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         q, s = quantize_int8(weight)
@@ -68,6 +72,10 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    qweight: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, group: int, quantized: tuple | None = None
     ) -> None:
