@@ -1208,6 +1208,27 @@ MUTANTS = [
         "        if self._matcher is not None and self.num_tokens < 0:",
         "tests/test_detokenize.py -k min_tokens",
     ),
+    (
+        "int4 zero point ignored (the group minimum dropped)",
+        "services/pipeserve/model/quant.py",
+        "        zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z",
+        "        zeros = 8.0 * s",
+        "tests/model/test_quant.py",
+    ),
+    (
+        "the fingerprint ignores the quantization",
+        "services/pipeserve/model/loader.py",
+        '        h.update(f"|q={quantization}|g={group_size}".encode())',
+        "        pass",
+        "tests/model/test_quant.py",
+    ),
+    (
+        "replay loads a quantized group's weights in float",
+        "services/pipeserve/ring/replay.py",
+        "cpu, s.quantization, s.quantization_group_size",
+        'cpu, "none", s.quantization_group_size',
+        "tests/obs/test_flight.py -k quantized",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -56,6 +56,9 @@ class EngineConfig:
 
     model: str
     dtype: str | None = None  # None: the checkpoint's dtype
+    # weight-only quantization of the decoder projections (model/quant.py); none is HF-exact
+    quantization: str = field(default="none", metadata={"choices": ("none", "int8", "int4")})
+    quantization_group_size: int = 32  # int4's group along the input dim
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -127,6 +130,12 @@ class EngineConfig:
             0 < self.kv_cache_memory_fraction <= 0.9,
             "kv_cache_memory_fraction",
             "must be in (0, 0.9]",
+        )
+        need(self.quantization in ("none", "int8", "int4"), "quantization", "must be one of none, int8, int4")
+        need(
+            self.quantization_group_size in (32, 64, 128, 256),
+            "quantization_group_size",
+            "must be one of 32, 64, 128, 256",
         )
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         need(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")

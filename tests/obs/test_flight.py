@@ -127,6 +127,23 @@ def test_a_recorded_run_replays_in_agreement(llama_dir: Path, tmp_path: Path) ->
     assert report["skipped"], "requests whose history began before the window must be named"
 
 
+def test_a_quantized_group_replays_with_its_quantized_weights(llama_dir: Path, tmp_path: Path) -> None:
+    """The dump names the quantization: replay loads the int8 weights the group ran, so activations
+    agree bitwise (a replay in float32 differs at the first step that carries activations)."""
+    llm = group(llama_dir, tmp_path, quantization="int8")
+    try:
+        llm.generate(random_prompts(3, 5, 30, 1024, seed=5), SamplingParams(temperature=0, max_tokens=6))
+        dump0 = llm.engine.executor.flight.dump("test")  # type: ignore[attr-defined]
+    finally:
+        llm.shutdown()
+    assert dump0 is not None
+    d0 = read_dump(dump0)
+    assert (d0.setup.quantization, d0.setup.quantization_group_size) == ("int8", 32)
+    run = replay_cli(dump0, llama_dir)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"all {len(d0.records)} plans agree" in run.stdout
+
+
 def decode_plan(rec):
     fwd = decode_frame(rec.forward)
     assert isinstance(fwd, Forward)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.quant import quantize_model
 from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
 
@@ -59,7 +60,9 @@ FINGERPRINT_SAMPLES = 64  # slices of each weight file's data read into the fing
 FINGERPRINT_SAMPLE_BYTES = 4096
 
 
-def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
+def model_fingerprint(
+    model_dir: str | Path, dtype: torch.dtype, quantization: str = "none", group_size: int = 32
+) -> str:
     """xxh3 of config.json, every weight file's safetensors header and size, samples of its data,
     and the dtype.
 
@@ -84,6 +87,8 @@ def model_fingerprint(model_dir: str | Path, dtype: torch.dtype) -> str:
                 h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
         h.update(str(size).encode())
     h.update(str(dtype).encode())
+    if quantization != "none":  # a quantized model's KV pages differ from the float model's
+        h.update(f"|q={quantization}|g={group_size}".encode())
     return h.hexdigest()
 
 
@@ -171,7 +176,13 @@ def _fuse(t: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dic
 
 
 def load_stage_model(
-    model_dir: str | Path, cfg: ModelConfig, stage: StageSpec, max_len: int, device: torch.device
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    stage: StageSpec,
+    max_len: int,
+    device: torch.device,
+    quantization: str = "none",
+    group_size: int = 32,
 ) -> StageModel:
     with torch.device("meta"):
         model = StageModel(cfg, stage, max_len).to(cfg.dtype)
@@ -189,5 +200,6 @@ def load_stage_model(
     model.load_state_dict(params, strict=False, assign=True)
     model.requires_grad_(False)
     model = model.to(device).eval()
+    quantize_model(model, quantization, group_size)
     model.pack_weights()
     return model

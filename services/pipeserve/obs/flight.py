@@ -78,6 +78,9 @@ class StageSetup(msgspec.Struct, frozen=True):
     num_threads: int  # torch intra-op threads of the recording stage (replay uses the same)
     host_slots: int  # L2 slots (0: none)
     l3: bool
+    # Weight-only quantization the group served with (model/quant.py): replay loads the same weights.
+    quantization: str = "none"
+    quantization_group_size: int = 32
 
 
 class FlightDump(msgspec.Struct, frozen=True):

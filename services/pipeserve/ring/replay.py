@@ -59,6 +59,8 @@ def recorder_for(stage: Stage) -> FlightRecorder:
         torch.get_num_threads(),
         stage.host_slots,
         cfg.l3_url is not None,
+        cfg.quantization,
+        cfg.quantization_group_size,
     )
     return FlightRecorder(
         stage.spec.rank,
@@ -123,7 +125,9 @@ class _Group:
         self.runners: list[ModelRunner] = []
         for rank, (lo, hi) in enumerate(_split(s)):
             spec = StageSpec(rank, dump.stages, lo, hi)
-            stage_model = load_stage_model(model, cfg, spec, s.max_model_len, cpu)
+            stage_model = load_stage_model(
+                model, cfg, spec, s.max_model_len, cpu, s.quantization, s.quantization_group_size
+            )
             pool = allocate_pool(cfg, spec.num_layers, num_blocks, s.block_size, cpu)
             runner = ModelRunner(stage_model, pool, s.block_size, s.seed, rank)
             if spec.is_last:  # structured outputs are masked here, as in the group (engine/grammar.py)

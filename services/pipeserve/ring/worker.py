@@ -112,11 +112,15 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         # Triton launches on the current device and NCCL binds to it: make it this stage's GPU before
         # any weight, kernel or communicator is created (cuda:0 is not this stage's GPU in a local group).
         torch.cuda.set_device(device)
-    model = load_stage_model(config.model, cfg, spec, max_len, device)
+    model = load_stage_model(
+        config.model, cfg, spec, max_len, device, config.quantization, config.quantization_group_size
+    )
     blocks = num_kv_blocks(config, cfg, spec.num_layers, max_len, device)
     pool_dtype = kv_dtype(config, cfg)
     host_slots = num_host_slots(config, cfg, spec.num_layers)
-    fingerprint = model_fingerprint(config.model, cfg.dtype)
+    fingerprint = model_fingerprint(
+        config.model, cfg.dtype, config.quantization, config.quantization_group_size
+    )
     link = None
     if rdzv is not None and config.stages > 1:
         meta_pg, store = join(rdzv, config.connect_timeout_s)
