@@ -54,6 +54,7 @@ DEPLOYMENT_LIMITS = (
     "is too large",
     "--tool-call-parser",  # tool_choice auto (the default with tools) on a server without a parser
     # Cross-field rules of tool calling no JSON schema states (router/openapi_tools.py says them in words)
+    "needs a non-empty tools list",  # any tool_choice but none
     "names no function in tools",
     "duplicates the name of an earlier tool",
     "must be a JSON text",

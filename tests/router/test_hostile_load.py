@@ -46,7 +46,7 @@ def up(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up
         yield server
 
 
-def ordinary_latency(client: httpx.Client, url: str, n: int = 7) -> float:
+def ordinary_latency(client: httpx.Client, url: str, n: int = 15) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()

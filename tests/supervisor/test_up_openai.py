@@ -159,7 +159,7 @@ BAD_INPUT = [
     ({"prompt": [5, 6, 10**7]}, 400, "prompt"),  # token id outside the vocabulary
     ({"prompt": [5] * 5000}, 400, "prompt"),  # longer than the context
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "n": 3}, 400, "n"),
+    ({"prompt": "hi", "n": 129}, 400, "n"),
     ({"prompt": "hi", "model": "no-such-model"}, 404, "model"),
 ]
 
