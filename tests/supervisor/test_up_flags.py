@@ -21,6 +21,7 @@ SPECIAL = {
     "num_kv_blocks": 64,
     "kv_cache_gb": 0.5,
     "kv_cache_dtype": "float16",
+    "quantization": "int8",
     "num_threads": 1,
     "layer_split": "0:2",
     "max_inflight": 3,
