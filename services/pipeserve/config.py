@@ -22,6 +22,9 @@ from typing import TypeVar
 from pipeserve.errors import ConfigError
 
 DEVICES = ("cpu", "cuda")
+# Weight-only quantization of the decoder projections (model/quant.py): none is HF-exact; int8/int4
+# quantize a float checkpoint; gguf serves a converted GGUF's own blocks (model/gguf_blocks.py).
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 T = TypeVar("T")
 
@@ -57,7 +60,7 @@ class EngineConfig:
     model: str
     dtype: str | None = None  # None: the checkpoint's dtype
     # weight-only quantization of the decoder projections (model/quant.py); none is HF-exact
-    quantization: str = field(default="none", metadata={"choices": ("none", "int8", "int4")})
+    quantization: str = field(default="none", metadata={"choices": QUANTIZATIONS})
     quantization_group_size: int = 32  # int4's group along the input dim
     device: str = "cpu"
     block_size: int = 16
@@ -131,7 +134,12 @@ class EngineConfig:
             "kv_cache_memory_fraction",
             "must be in (0, 0.9]",
         )
-        need(self.quantization in ("none", "int8", "int4"), "quantization", "must be one of none, int8, int4")
+        need(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
+        need(
+            self.quantization == "none" or self.device.split(":")[0] == "cpu",
+            "quantization",
+            "int8, int4 and gguf run on torch's CPU kernels: use --quantization none with a CUDA device",
+        )
         need(
             self.quantization_group_size in (32, 64, 128, 256),
             "quantization_group_size",

@@ -12,6 +12,8 @@ Contract:
   F32 tensors are copied as they are), so the checkpoint is float32 whatever
   the file's quantization; a type `gguf` cannot dequantize is a ModelLoadError
   naming the tensor and the type.
+* The Q4_0/Q4_1/Q8_0 tensors are also kept as blocks in `quantized.safetensors`
+  (model/gguf_blocks.py), which `--quantization gguf` serves without dequantizing.
 * llama.cpp's converter permutes the rows of q_proj / k_proj (per head, the
   two rotary halves interleaved for its rope layout); they are permuted back,
   so the result is the HF layout the engine and transformers expect.
@@ -60,7 +62,8 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 # Bump whenever the converter's output changes: the default model's cache directory is named after
 # it (model/default.py), so a checkpoint written by an older converter is never served again.
-CONVERTER_VERSION = 1
+# 2: quantized.safetensors (the file's Q4_0/Q4_1/Q8_0 blocks, model/gguf_blocks.py) is written too.
+CONVERTER_VERSION = 2
 
 
 def open_gguf(path: str | Path):  # -> gguf.GGUFReader (imported lazily: only conversion needs it)
@@ -199,8 +202,28 @@ def hf_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_blocks(reader, config: dict) -> dict[str, torch.Tensor]:
+    """The blocks of every Q4_0/Q4_1/Q8_0 tensor under `HF name.suffix` (gguf_blocks' layout),
+    q/k rows in HF order like `hf_tensors`."""
+    from pipeserve.model.gguf_blocks import permute_blocks, read_blocks
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        blocks = read_blocks(t)
+        if blocks is None:
+            continue
+        name = hf_name(t.name)
+        heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
+        for proj, n in heads.items():
+            if name.endswith(f"self_attn.{proj}_proj.weight"):
+                blocks = permute_blocks(blocks, lambda w, n=n: unpermute_rows(w, n))
+        out.update({f"{name}.{k}": v for k, v in blocks.items()})
+    return out
+
+
 def convert_gguf(src: str | Path, dst: str | Path) -> Path:
     """Write the HF checkpoint of the GGUF file `src` into the new directory `dst` (atomically)."""
+    from pipeserve.model.gguf_blocks import BLOCK, BLOCKS_FILE, FORMAT
     from pipeserve.model.gguf_tokenizer import write_tokenizer_files
 
     out = Path(dst)
@@ -220,8 +243,15 @@ def convert_gguf(src: str | Path, dst: str | Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        blocks = hf_blocks(reader, config)
+        written = ["model.safetensors"]
+        if blocks:
+            save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": FORMAT, "block": str(BLOCK)})
+            written.append(BLOCKS_FILE)
         # safetensors creates its file owner-only; give it the mode (umask) the other files got.
-        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode)
+        for fname in written:
+            os.chmod(tmp / fname, (tmp / "config.json").stat().st_mode)
         if out.is_dir():
             out.rmdir()  # empty (checked above); rename needs the name free
         os.rename(tmp, out)

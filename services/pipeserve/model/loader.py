@@ -21,6 +21,8 @@ from safetensors import safe_open
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.gguf_blocks import GgufBlocks
+from pipeserve.model.gguf_blocks import install as install_blocks
 from pipeserve.model.quant import quantize_model
 from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
@@ -119,12 +121,15 @@ def _stored_bytes(fpath: Path) -> dict[str, int]:
     return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
-def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
-    """Read exactly the checkpoint tensors `stage` needs, in cfg.dtype; progress in bytes read is
-    shown as a bar on a terminal, else logged every few seconds (obs/progress.py)."""
+def read_stage_tensors(
+    model_dir: str | Path, cfg: ModelConfig, stage: StageSpec, skip: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """Read exactly the checkpoint tensors `stage` needs, in cfg.dtype, but those in `skip` (served
+    from elsewhere: GGUF blocks); progress in bytes read is shown as a bar on a terminal, else
+    logged every few seconds (obs/progress.py)."""
     path = Path(model_dir)
     files = _weight_files(path)
-    wanted = stage_tensor_names(cfg, stage)
+    wanted = [n for n in stage_tensor_names(cfg, stage) if n not in skip]
     missing = [n for n in wanted if n not in files]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {', '.join(missing[:5])}")
@@ -148,30 +153,29 @@ def read_stage_tensors(model_dir: str | Path, cfg: ModelConfig, stage: StageSpec
 
 
 def _fuse(t: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> StageModel parameter names."""
+    """Checkpoint names -> StageModel parameter names. A parameter whose sources are not in `t`
+    (served from GGUF blocks) is left out; the loader's unfilled check catches any other gap."""
     params: dict[str, torch.Tensor] = {}
+
+    def put(dst: str, *src: str) -> None:
+        if all(s in t for s in src):
+            params[dst] = t[src[0]] if len(src) == 1 else torch.cat([t[s] for s in src])
+
     if stage.is_first:
-        params["embed_tokens.weight"] = t["model.embed_tokens.weight"]
+        put("embed_tokens.weight", "model.embed_tokens.weight")
     for local, i in enumerate(range(stage.layer_lo, stage.layer_hi)):
         src, dst = f"model.layers.{i}.", f"layers.{local}."
-        params[dst + "input_layernorm.weight"] = t[src + "input_layernorm.weight"]
-        params[dst + "post_attention_layernorm.weight"] = t[src + "post_attention_layernorm.weight"]
-        params[dst + "self_attn.qkv_proj.weight"] = torch.cat(
-            [t[src + f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")]
-        )
+        put(dst + "input_layernorm.weight", src + "input_layernorm.weight")
+        put(dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight")
+        put(dst + "self_attn.qkv_proj.weight", *(src + f"self_attn.{p}_proj.weight" for p in "qkv"))
         if cfg.attention_bias:
-            params[dst + "self_attn.qkv_proj.bias"] = torch.cat(
-                [t[src + f"self_attn.{p}_proj.bias"] for p in ("q", "k", "v")]
-            )
-        params[dst + "self_attn.o_proj.weight"] = t[src + "self_attn.o_proj.weight"]
-        params[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [t[src + "mlp.gate_proj.weight"], t[src + "mlp.up_proj.weight"]]
-        )
-        params[dst + "mlp.down_proj.weight"] = t[src + "mlp.down_proj.weight"]
+            put(dst + "self_attn.qkv_proj.bias", *(src + f"self_attn.{p}_proj.bias" for p in "qkv"))
+        put(dst + "self_attn.o_proj.weight", src + "self_attn.o_proj.weight")
+        put(dst + "mlp.gate_up_proj.weight", src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+        put(dst + "mlp.down_proj.weight", src + "mlp.down_proj.weight")
     if stage.is_last:
-        params["norm.weight"] = t["model.norm.weight"]
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        params["lm_head.weight"] = t[head]
+        put("norm.weight", "model.norm.weight")
+        put("lm_head.weight", "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
     return params
 
 
@@ -186,7 +190,10 @@ def load_stage_model(
 ) -> StageModel:
     with torch.device("meta"):
         model = StageModel(cfg, stage, max_len).to(cfg.dtype)
-    params = _fuse(read_stage_tensors(model_dir, cfg, stage), cfg, stage)
+    served: set[str] = set()
+    if quantization == "gguf":  # the file's blocks, installed before any float tensor is read
+        served = install_blocks(model, GgufBlocks(model_dir), cfg, stage)
+    params = _fuse(read_stage_tensors(model_dir, cfg, stage, frozenset(served)), cfg, stage)
     own = dict(model.named_parameters())
     unfilled = sorted(set(own) - set(params))
     if unfilled:

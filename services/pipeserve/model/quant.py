@@ -17,8 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8", "int4")
-
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], scales [N])."""
@@ -51,10 +49,13 @@ class Int8Linear(nn.Module):
     scales: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> None:
+        """`out_dtype`: the model's dtype when `weight` is a float32 dequantization (GGUF Q8_0)."""
         super().__init__()
         q, s = quantize_int8(weight)
-        self.out_dtype = weight.dtype
+        self.out_dtype = out_dtype if out_dtype is not None else weight.dtype
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -77,13 +78,26 @@ class Int4Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, group: int, quantized: tuple | None = None
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        group: int,
+        quantized: tuple | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
-        """`quantized`: (q, scales, mins) already in int4 form (e.g. GGUF blocks), else quantized here."""
+        """`quantized`: (q, scales, mins) already in int4 form (GGUF blocks; then `weight` may be None
+        and `out_dtype` names the model's dtype), else `weight` is quantized here."""
         super().__init__()
-        q, s, m = quantized if quantized is not None else quantize_int4(weight, group)
+        if quantized is None:
+            if weight is None:
+                raise ValueError("Int4Linear needs a weight or its quantized form")
+            quantized = quantize_int4(weight, group)
+        q, s, m = quantized
         self.group = group
-        self.out_dtype = weight.dtype
+        dtype = out_dtype if out_dtype is not None else (weight.dtype if weight is not None else None)
+        if dtype is None:
+            raise ValueError("Int4Linear built from blocks needs out_dtype")
+        self.out_dtype = dtype
         self.in_features = q.shape[1]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z
@@ -112,7 +126,7 @@ def quantize_model(model: nn.Module, mode: str, group: int) -> None:
     """Swap every projection of the decoder layers (not lm_head) for its quantized form, in place."""
     from pipeserve.model.layers import Linear
 
-    if mode == "none":
+    if mode in ("none", "gguf"):  # gguf: the loader installs the file's blocks (gguf_blocks.install)
         return
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -73,11 +73,13 @@ class StageModel(nn.Module):
                 module.pack_weight()
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight the stage holds, packed projections included (not Parameters)."""
+        """Bytes of every weight the stage holds, packed projections and quantized ones (buffers)
+        included; the rotary table is not a weight."""
         packed = [m.weight for m in self.modules() if isinstance(m, Linear) and m.weight.is_mkldnn]
+        quantized = [b for name, b in self.named_buffers() if not name.startswith("rotary.")]
         # A tied lm_head is a second Parameter over the embedding's storage: count storages once.
         dense = {p.data_ptr(): p.numel() * p.element_size() for p in self.parameters()}
-        return sum(dense.values()) + sum(t.numel() * t.element_size() for t in packed)
+        return sum(dense.values()) + sum(t.numel() * t.element_size() for t in packed + quantized)
 
     def forward(
         self,
