@@ -11,6 +11,7 @@ checked exactly against the original, without the 93 MB package.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -61,8 +62,15 @@ def gguf_name(hf: str) -> str:
 
 
 def write_llama_gguf(
-    hf_dir: Path, path: Path, arch: str = "llama", tokenizer_model: str = "gpt2", pre: str = "gpt2"
+    hf_dir: Path,
+    path: Path,
+    arch: str = "llama",
+    tokenizer_model: str = "gpt2",
+    pre: str = "gpt2",
+    quant: Callable[[str], gguf.GGMLQuantizationType | None] | None = None,
 ) -> Path:
+    """`quant(hf_name)`: the block type a tensor is written in (quantized by the `gguf` package as
+    llama.cpp's quantizer does), None for F32."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
@@ -96,7 +104,12 @@ def write_llama_gguf(
             a = llama_cpp_permute(a, heads)
         elif name.endswith("k_proj.weight"):
             a = llama_cpp_permute(a, kv_heads)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+        qtype = quant(name) if quant else None
+        if qtype is None:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+        else:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(a), qtype)
+            w.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -34,6 +34,7 @@ from torch import nn
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.memory import return_freed_memory
 from pipeserve.model.stage_model import StageModel, StageSpec
 
 BLOCKS_FILE = "quantized.safetensors"
@@ -105,7 +106,8 @@ class GgufBlocks:
 
     def _get(self, keys: list[str]) -> list[torch.Tensor]:
         with safe_open(str(self.path), framework="pt") as f:
-            return [f.get_tensor(k) for k in keys]
+            # copies: a tensor left on the file's mmap keeps the whole mapping resident
+            return [f.get_tensor(k).clone() for k in keys]
 
     def kind(self, name: str) -> str:
         return "q4" if f"{name}.qs" in self.keys else "q8"
@@ -170,12 +172,21 @@ _FUSED = {
 
 
 def _quantized_linear(blocks: GgufBlocks, names: list[str], dtype: torch.dtype) -> nn.Module:
-    from pipeserve.model.quant import Int4Linear, Int8Linear
+    from pipeserve.model.quant import Int4Linear, Int8Linear, quantize_int8
 
     if all(blocks.kind(n) == "q4" for n in names):
         return Int4Linear(None, None, BLOCK, quantized=blocks.int4(names), out_dtype=dtype)
-    # Q8_0: per-block scales -> Int8Linear's per-channel ones (requantized from the exact values)
-    return Int8Linear(blocks.dequantized(names), None, out_dtype=dtype)
+    # Q8_0: per-block scales -> Int8Linear's per-channel ones, requantized from the exact values a
+    # slice of rows at a time (a vocabulary matrix in float32 would be ~4x the file's bytes at once).
+    if len(names) != 1:
+        raise ModelLoadError(f"{names}: a fused projection of Q8_0 blocks is not served")
+    q8, d = blocks.q8(names[0])
+    q, s = torch.empty_like(q8), torch.empty(q8.shape[0])
+    for lo in range(0, q8.shape[0], 4096):
+        rows = slice(lo, lo + 4096)
+        w = q8[rows].float().reshape(-1, q8.shape[1] // BLOCK, BLOCK) * d[rows][..., None]
+        q[rows], s[rows] = quantize_int8(w.reshape(-1, q8.shape[1]))
+    return Int8Linear(None, None, out_dtype=dtype, quantized=(q, s))
 
 
 def install(model: StageModel, blocks: GgufBlocks, cfg: ModelConfig, stage: StageSpec) -> set[str]:
@@ -196,6 +207,7 @@ def install(model: StageModel, blocks: GgufBlocks, cfg: ModelConfig, stage: Stag
             parent, attr = path.rsplit(".", 1)
             setattr(_module(layer, parent), attr, _quantized_linear(blocks, names, cfg.dtype))
             served.update(names)
+        return_freed_memory()  # each layer's temporaries, so the load's peak stays near its result
     embed = "model.embed_tokens.weight"
     if stage.is_first and embed in blocks.names and blocks.kind(embed) == "q8":
         model.embed_tokens = Q8Embedding(*blocks.q8(embed), cfg.dtype)  # type: ignore[assignment]

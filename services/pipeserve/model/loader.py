@@ -23,6 +23,7 @@ from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf_blocks import GgufBlocks
 from pipeserve.model.gguf_blocks import install as install_blocks
+from pipeserve.model.memory import return_freed_memory
 from pipeserve.model.quant import quantize_model
 from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
@@ -209,4 +210,5 @@ def load_stage_model(
     model = model.to(device).eval()
     quantize_model(model, quantization, group_size)
     model.pack_weights()
+    return_freed_memory()  # the load's temporaries (~200 MB for the default model in gguf mode)
     return model

@@ -18,11 +18,15 @@ import torch
 from torch import nn
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scales [N])."""
-    w = w.float()
-    s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+def quantize_int8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N]); `rows` at a time, so a vocabulary matrix's
+    temporaries stay a few MB instead of several copies of the matrix."""
+    q = torch.empty(w.shape, dtype=torch.int8)
+    s = torch.empty(w.shape[0], dtype=torch.float32)
+    for lo in range(0, w.shape[0], rows):
+        part = w[lo : lo + rows].float()
+        s[lo : lo + rows] = (part.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[lo : lo + rows] = torch.round(part / s[lo : lo + rows, None]).clamp(-127, 127)
     return q, s
 
 
@@ -50,12 +54,24 @@ class Int8Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+        self,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype | None = None,
+        quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """`out_dtype`: the model's dtype when `weight` is a float32 dequantization (GGUF Q8_0)."""
+        """`quantized`: (q, per-channel scales) made elsewhere (GGUF Q8_0 blocks); then `weight` is
+        None and `out_dtype` names the model's dtype."""
         super().__init__()
-        q, s = quantize_int8(weight)
-        self.out_dtype = out_dtype if out_dtype is not None else weight.dtype
+        if quantized is None:
+            if weight is None:
+                raise ValueError("Int8Linear needs a weight or its quantized form")
+            quantized = quantize_int8(weight)
+        q, s = quantized
+        dtype = out_dtype if out_dtype is not None else (weight.dtype if weight is not None else None)
+        if dtype is None:
+            raise ValueError("Int8Linear built from blocks needs out_dtype")
+        self.out_dtype = dtype
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
