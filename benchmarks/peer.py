@@ -9,6 +9,8 @@ files under `.peer/` (git-ignored):
     python benchmarks/peer.py check      # llama-server's greedy text == HF transformers' for one prompt
     python benchmarks/peer.py compare --stages 1 [--rounds 3] [--results-md benchmarks/RESULTS.md]
     python benchmarks/peer.py all        # all of the above, compare for S=1 and S=2
+    python benchmarks/peer.py compare --model smollm2   # issue 22: the default model's Q4_1 GGUF, as
+        # shipped, for llama-server; pipeserve serves the same file's blocks (`--quantization gguf`)
 
 `compare` starts llama-server (`-np 16 -c 16384 -t 2`, the issue's flags) and `pipeserve up` and runs
 `pipeserve bench --compare` with the issue's workload (32 requests, concurrency 16, prompts of 16–128
@@ -193,20 +195,36 @@ class Server:
                 self.proc.wait(timeout=10)
 
 
-def llama_server(port: int) -> Server:
-    argv = [str(SERVER), "-m", str(GGUF), "--host", "127.0.0.1", "--port", str(port), *LLAMA_FLAGS]
+class Subject:
+    """What both servers serve: the GGUF llama-server reads, pipeserve's checkpoint and flags."""
+
+    def __init__(self, which: str) -> None:
+        self.which = which
+        if which == "169m":
+            self.gguf, self.model_dir, self.up = GGUF, MODEL, ["--model", str(MODEL)]
+            self.label = "169M f32, issue 14 workload"
+        else:  # the default model: the packaged Q4_1 file, and pipeserve serving its blocks
+            from pipeserve.model.default import default_model, smollm2_gguf
+
+            self.gguf, self.model_dir = smollm2_gguf(), default_model()
+            self.up = ["--quantization", "gguf"]
+            self.label = "SmolLM2-135M Q4_1 GGUF (pipeserve --quantization gguf), issue 14 workload"
+
+
+def llama_server(port: int, subject: Subject) -> Server:
+    argv = [str(SERVER), "-m", str(subject.gguf), "--host", "127.0.0.1", "--port", str(port), *LLAMA_FLAGS]
     return Server(argv, f"http://127.0.0.1:{port}", "/health", PEER / "llama-server.log")
 
 
-def pipeserve_up(port: int, stages: int, extra: list[str]) -> Server:
-    argv = [str(Path(PY).with_name("pipeserve")), "up", "--model", str(MODEL), "--port", str(port)]
+def pipeserve_up(port: int, stages: int, extra: list[str], subject: Subject) -> Server:
+    argv = [str(Path(PY).with_name("pipeserve")), "up", *subject.up, "--port", str(port)]
     argv += ["--stages", str(stages), *extra]
     # /v1/models answers before the groups are ready; a greedy 1-token request needs a ready group.
     srv = Server(argv, f"http://127.0.0.1:{port}", "/v1/models", PEER / f"pipeserve-s{stages}.log")
     deadline = time.monotonic() + 300
     while True:
         try:
-            _post(srv.url + "/v1/completions", {"model": str(MODEL), "prompt": [5], "max_tokens": 1}, 30)
+            _post(srv.url + "/v1/completions", {"prompt": [5], "max_tokens": 1}, 30)
             return srv
         except OSError:
             if srv.proc.poll() is not None or time.monotonic() > deadline:
@@ -231,7 +249,7 @@ def check(args: argparse.Namespace) -> None:
         with torch.inference_mode():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :]
         want.append(tok.decode(out.tolist(), skip_special_tokens=True))
-    srv = llama_server(args.port)
+    srv = llama_server(args.port, Subject("169m"))
     try:
         got_ids = _post(srv.url + "/tokenize", {"content": text})["tokens"]
         got = [
@@ -249,15 +267,17 @@ def check(args: argparse.Namespace) -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
-    peer = llama_server(args.port)
+    subject = Subject(args.model)
+    peer = llama_server(args.port, subject)
     try:
-        ps = pipeserve_up(args.port + 1, args.stages, args.up_arg)
+        ps = pipeserve_up(args.port + 1, args.stages, args.up_arg, subject)
         try:
-            label = f"llama-server vs pipeserve S={args.stages}, 169M f32, issue 14 workload"
+            label = f"llama-server vs pipeserve S={args.stages}, {subject.label}"
             cmd = [str(Path(PY).with_name("pipeserve")), "bench", "--url", ps.url, "--compare", peer.url]
-            cmd += [*WORKLOAD, "--compare-rounds", str(args.rounds), "--tokenizer", str(MODEL)]
+            cmd += [*WORKLOAD, "--compare-rounds", str(args.rounds), "--tokenizer", str(subject.model_dir)]
+            cmd += ["--json", str(PEER / f"compare-{subject.which}-s{args.stages}.json")]
             cmd += ["--self-pid", str(ps.proc.pid), "--peer-pid", str(peer.proc.pid), "--label", label]
-            cmd += ["--json", str(PEER / f"compare-s{args.stages}.json"), "--quiet"]
+            cmd += ["--quiet"]
             if args.results_md:
                 cmd += ["--results-md", args.results_md]
             run(cmd)
@@ -275,6 +295,7 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=None, help="build: parallel compile jobs")
     p.add_argument("--port", type=int, default=18080, help="llama-server's port (pipeserve: +1)")
     p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--model", choices=("169m", "smollm2"), default="169m", help="compare: what both serve")
     p.add_argument("--rounds", type=int, default=3, help="compare: rounds (medians reported)")
     p.add_argument("--up-arg", action="append", default=[], help="compare: an extra `pipeserve up` arg")
     p.add_argument("--results-md", default=None, help="compare: append the table to this file")
