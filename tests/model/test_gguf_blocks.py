@@ -135,3 +135,20 @@ def test_default_model_gguf_agrees_with_its_float_model(tmp_path_factory: pytest
     result = agreement(str(model), "gguf", PROMPTS, 48)
     assert result.tokens == len(PROMPTS) * 48
     assert result.rate >= 0.98, result
+
+
+@pytest.mark.slow
+def test_gguf_mode_is_the_same_for_every_pipeline_size(quantized) -> None:
+    """Each stage serves its own layers' blocks: S=2 decodes exactly what S=1 does."""
+    from pipeserve.entrypoints.llm import LLM
+    from pipeserve.sampling_params import SamplingParams
+
+    _, out = quantized
+    prompts = [[5, 9, 13, 21, 34], list(range(40, 80)), [7] * 19]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for stages in (1, 2):
+        with LLM(str(out), stages=stages, quantization="gguf") as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+    assert runs[0] == runs[1]
+    assert all(len(ids) == 12 for ids in runs[0])
