@@ -192,7 +192,6 @@ class StepOutput(msgspec.Struct, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
 
 
 def plan_digest(plan: StepPlan) -> int:
@@ -202,11 +201,3 @@ def plan_digest(plan: StepPlan) -> int:
 def seal(plan: StepPlan) -> StepPlan:
     """Return the plan with its digest filled in."""
     return msgspec.structs.replace(plan, digest=plan_digest(plan))
-
-
-def encode_plan(plan: StepPlan) -> bytes:
-    return _encoder.encode(plan)
-
-
-def decode_plan(data: bytes) -> StepPlan:
-    return _plan_decoder.decode(data)

@@ -119,11 +119,6 @@ class Scheduler:
     def abort(self, req_id: str) -> Request | None:
         return self.finish(req_id, FinishReason.ABORT)
 
-    @property
-    def pending_frees(self) -> list[str]:
-        """Requests the executors still hold and the next plan will free."""
-        return list(self._freed)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._freed or self._stores or self.fetch.pending)
 
