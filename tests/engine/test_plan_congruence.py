@@ -14,7 +14,6 @@ import torch
 
 from conftest import random_prompts
 from pipeserve import LLM, SamplingParams
-from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import (
     NewRequest,
     SamplingSpec,
@@ -24,6 +23,7 @@ from pipeserve.engine.plan import (
     seal,
 )
 from pipeserve.ring.messages import Forward, decode_frame, encode_frame
+from pipeserve.worker.model_runner import PlanMismatch
 
 SPEC = SamplingSpec(0.0, -1, 1.0, 0.0, None, None)
 
@@ -68,7 +68,7 @@ def test_decoder_rejects_malformed_bytes() -> None:
 
 @pytest.fixture
 def runner(llama_dir: Path):
-    return LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.runner
+    return LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.executor.runner
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_engine_plans_keep_executor_tables_in_step(llama_dir: Path) -> None:
 
     def checked_step():
         finished = step()
-        sched, runner = eng.scheduler, eng.runner
+        sched, runner = eng.scheduler, eng.executor.runner
         live = {r.req_id: r for r in sched.requests.values() if r.in_executors}
         assert set(runner.reqs) == set(live) | set(sched._freed)  # freed by the next plan
         for rid, req in live.items():
@@ -124,4 +124,4 @@ def test_engine_plans_keep_executor_tables_in_step(llama_dir: Path) -> None:
     prompts = [shared + p for p in random_prompts(8, 10, 40, 1024, seed=31)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30))
     assert eng.scheduler.num_preemptions > 0
-    assert eng.runner.reqs == {}
+    assert eng.executor.runner.reqs == {}

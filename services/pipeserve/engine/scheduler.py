@@ -31,7 +31,6 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
-from pipeserve.engine.penalties import needs_history
 from pipeserve.engine.plan import (
     BlockCopy,
     LoadOrder,
@@ -41,6 +40,7 @@ from pipeserve.engine.plan import (
     ScheduledChunk,
     StepOutput,
     StepPlan,
+    needs_history,
     seal,
 )
 from pipeserve.engine.prefix_loads import L3Directory, PrefixFetch
