@@ -1229,6 +1229,21 @@ MUTANTS = [
         'cpu, "none", s.quantization_group_size',
         "tests/obs/test_flight.py -k quantized",
     ),
+    (
+        "the deciding side imports the executing side (engine/ imports worker/)",
+        "services/pipeserve/engine/engine.py",
+        "from pipeserve.engine.grammar import GrammarBook\n",
+        "from pipeserve.engine.grammar import GrammarBook\n"
+        "from pipeserve.worker.model_runner import ModelRunner\n",
+        "tests/test_import_graph.py -k engine_imports_no_worker",
+    ),
+    (
+        "the executing side reads the scheduler (worker/ imports more of engine/ than its contract)",
+        "services/pipeserve/worker/model_runner.py",
+        "from pipeserve.engine.executor import BusyMeter\n",
+        "from pipeserve.engine.executor import BusyMeter\nfrom pipeserve.engine.scheduler import Scheduler\n",
+        "tests/test_import_graph.py -k worker_sees_only",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"
