@@ -1244,6 +1244,13 @@ MUTANTS = [
         "from pipeserve.engine.executor import BusyMeter\nfrom pipeserve.engine.scheduler import Scheduler\n",
         "tests/test_import_graph.py -k worker_sees_only",
     ),
+    (
+        "a stage's runner patched after construction (HiCache tiers set on it afterwards)",
+        "services/pipeserve/ring/build.py",
+        "        request_check=faults.request_check(rank),\n    )\n",
+        "        request_check=faults.request_check(rank),\n    )\n    runner.tiers = tiers\n",
+        "tests/test_import_graph.py -k runner_attribute",
+    ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv" / "bin" / "python"

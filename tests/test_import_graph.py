@@ -8,6 +8,8 @@
   worker implements engine/executor.py's contract and is handed in. `worker/` sees of `engine/` only
   the contract: plan.py (the messages), executor.py (the Executor protocol, BusyMeter) and
   grammar.py (the GrammarBook both sides compile specs with).
+* A stage's runner is built in one place with everything it uses (worker/build.py): no module sets
+  an attribute on a runner after construction (`runner.x = ...`, `stage.runner.x = ...`).
 * The ring is below the stage process: `ring/` imports nothing from stage 0's front (stage),
   process care (care) or the roles above them.
 * The router needs only the tokenizer files, never the weights: it imports nothing that
@@ -161,6 +163,36 @@ def test_router_runs_no_model() -> None:
 
 def test_the_checker_sees_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def runner_attribute_writes(source: str) -> list[str]:
+    """`runner.x = ...` (or `<anything>.runner.x = ...`) assignments in a module's source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign | ast.AugAssign)
+            else []
+        )
+        for t in targets:
+            if isinstance(t, ast.Attribute) and (
+                (isinstance(t.value, ast.Name) and t.value.id == "runner")
+                or (isinstance(t.value, ast.Attribute) and t.value.attr == "runner")
+            ):
+                found.append(f"line {t.lineno}: {ast.unparse(t)}")
+    return found
+
+
+def test_no_runner_attribute_set_after_construction() -> None:
+    sample = "runner = R()\nrunner.tiers = t\nself.runner.grammar = g\nself.runner = r\n"
+    assert runner_attribute_writes(sample) == [
+        "line 2: runner.tiers",
+        "line 3: self.runner.grammar",
+    ]
+    bad = {m: w for m, path in _modules().items() if (w := runner_attribute_writes(path.read_text()))}
+    assert bad == {}, f"pass it to worker/build.py's build_runner instead: {bad}"
 
 
 # --- what the router's and the operator's processes load imports no torch at module level ---
