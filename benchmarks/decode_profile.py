@@ -74,7 +74,7 @@ class StepTimer:
 
     def __init__(self, engine: Any) -> None:
         self.seconds: dict[str, list[float]] = defaultdict(list)
-        sched, runner = engine.scheduler, engine.runner
+        sched, runner = engine.scheduler, engine.executor.runner
         for obj, name in ((sched, "schedule"), (runner, "prepare"), (runner, "forward"), (runner, "sample")):
             self._wrap(obj, name)
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         num_threads=args.threads,
         quantization=args.quantization,
     )
-    weights = llm.engine.runner.model.weight_bytes()
+    weights = llm.engine.executor.runner.model.weight_bytes()
     print(
         f"model {bench.model_dir}: weights {weights / 1e6:.0f} MB; read bandwidth {bw / 1e9:.1f} GB/s "
         f"-> single-stream bound {bw / weights:.1f} tok/s; {torch.get_num_threads()} threads"

@@ -190,7 +190,7 @@ def run_pipeserve(args: argparse.Namespace) -> dict[str, Any]:
     if [len(t) for t in token_ids] != work.output_lens:
         raise RuntimeError("pipeserve returned outputs of the wrong length")
 
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     pool = runner.kv_pool
     pool_bytes = pool.numel() * pool.element_size()
     weights_bytes = runner.model.weight_bytes()
@@ -418,7 +418,7 @@ def profile(args: argparse.Namespace) -> None:
     print(f"profile: {n} requests, {work.useful_tokens} output tokens, {torch.get_num_threads()} threads")
 
     timer = PhaseTimer()
-    sched, runner = llm.engine.scheduler, llm.engine.runner
+    sched, runner = llm.engine.scheduler, llm.engine.executor.runner
     for obj, name in ((sched, "schedule"), (sched, "update"), (runner, "apply"), (runner, "prepare")):
         timer.wrap(obj, name, name)
     timer.wrap(runner, "forward", timer.forward_key)

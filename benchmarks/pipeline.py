@@ -81,10 +81,10 @@ def tensor_bytes(path: Path) -> dict[str, int]:
 
 def stage_bounds(engine: Any, path: Path) -> list[dict[str, int]]:
     """Each stage's own weights and KV pool bytes, and its RSS bound."""
-    from pipeserve.engine.kv_cache import block_bytes
     from pipeserve.model.loader import stage_tensor_names
     from pipeserve.model.stage_model import StageSpec
-    from pipeserve.ring.worker import layer_split
+    from pipeserve.ring.build import layer_split
+    from pipeserve.worker.kv_cache import block_bytes
 
     cfg, config = engine.model_config, engine.config
     sizes = tensor_bytes(path)

@@ -29,7 +29,7 @@ MUTANTS = [
     ),
     (
         "decode group attends to its padding",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "                        self._tensor(lens[start:i]),",
         "                        self._tensor([lens[start]] * (i - start)),",
         "tests/engine/test_engine_correctness.py -k mixed",
@@ -50,7 +50,7 @@ MUTANTS = [
     ),
     (
         "runner skips block range check",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "            bad = [b for b in c.new_block_ids if not 0 <= b < self.num_blocks]",
         "            bad = []",
         "tests/engine/test_plan_congruence.py",
@@ -64,7 +64,7 @@ MUTANTS = [
     ),
     (
         "seeded sampling uses batch generator",
-        "services/pipeserve/engine/sampler.py",
+        "services/pipeserve/worker/sampler.py",
         "self.generator if seed is None else",
         "self.generator if True else",
         "tests/engine/test_sampling.py -k seed",
@@ -78,7 +78,7 @@ MUTANTS = [
     ),
     (
         "executor tables not freed",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "            gone = self.reqs.pop(rid, None)",
         "            gone = self.reqs.get(rid, None)",
         "tests/engine/test_engine_correctness.py -k mixed",
@@ -92,22 +92,21 @@ MUTANTS = [
     ),
     (
         "digest check skipped",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "        if digest != plan.digest:",
         "        if False:",
         "tests/engine/test_plan_congruence.py",
     ),
-    # --- pipeline groups ---
     (
         "follower skips the digest check",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "        if digest != plan.digest:",
         "        if False:",
         "tests/ring/test_pipeline_faults.py -k digest",
     ),
     (
         "follower skips the activation row check",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "        if x.shape[0] != step.inputs.shape[0]:",
         "        if False:",
         "tests/ring/test_pipeline_faults.py -k rows",
@@ -183,7 +182,6 @@ MUTANTS = [
         "        self._finalizer = weakref.finalize(self, lambda: None)",
         "tests/ring/test_pipeline_lifecycle.py -k 'driver and exit'",
     ),
-    # --- serving (issue 4) ---
     (
         "wedge detector counts idle time as stalled",
         "services/pipeserve/care/wedge.py",
@@ -286,14 +284,14 @@ MUTANTS = [
     ),
     (
         "sampler divides by a temperature below the epsilon (float32 overflow)",
-        "services/pipeserve/engine/sampler.py",
+        "services/pipeserve/worker/sampler.py",
         "        [min(max(s.temperature, SAMPLING_EPS), MAX_TEMPERATURE) for s in specs], device=dev",
         "        [s.temperature for s in specs], device=dev",
         "tests/stage/test_failure_isolation.py -k nan",
     ),
     (
         "a stage lets one request's failure escape (group stop instead of a failed request)",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         '                failed.append(RequestFailure(c.req_id, f"stage {self.rank}: {reason}"))',
         "                raise RuntimeError(reason)",
         "tests/stage/test_failure_isolation.py -k 'request_failure'",
@@ -326,7 +324,6 @@ MUTANTS = [
         "True",
         "tests/stage/test_failure_isolation.py -k agree",
     ),
-    # --- the HTTP edge (issue 9 section 2) ---
     (
         "stop matching rescans the whole text every token (quadratic)",
         "services/pipeserve/detokenize.py",
@@ -355,7 +352,6 @@ MUTANTS = [
         "        slot = self.admission.acquire(1, param)",
         "tests/router/test_router_edge.py -k batch",
     ),
-    # --- one sampling schema, tokenization like transformers ---
     (
         "completions text encoded without the tokenizer's special tokens",
         "services/pipeserve/tokenizer.py",
@@ -391,7 +387,6 @@ MUTANTS = [
         "        if False:",
         "tests/test_tokenization.py -k 15mb",
     ),
-    # --- GGUF checkpoints, the default model ---
     (
         "GGUF q rows left in llama.cpp's rope order",
         "services/pipeserve/model/gguf.py",
@@ -427,7 +422,6 @@ MUTANTS = [
         "        raise",
         "tests/model/test_gguf.py -k refuses",
     ),
-    # --- HiCache (issue 11) ---
     (
         "an L3 page is used without its checksum checked",
         "services/pipeserve/hicache/page.py",
@@ -478,7 +472,6 @@ MUTANTS = [
         " for c in plan.l2_saves])",
         "tests/hicache/test_tiers_exact.py -k 'l2 and 2'",
     ),
-    # --- structure --------------------------------------------------------------------------
     (
         "the engine builds its own ring executor (engine imports ring/)",
         "services/pipeserve/engine/engine.py",
@@ -701,9 +694,9 @@ MUTANTS = [
     ),
     (
         "kv_cache_dtype ignored by the pool",
-        "services/pipeserve/ring/worker.py",
-        "config.block_size, device, pool_dtype)",
-        "config.block_size, device)",
+        "services/pipeserve/ring/build.py",
+        "        kv_dtype=pool_dtype,\n",
+        "",
         "tests/engine/test_kv_memory.py -k tolerance",
     ),
     (
@@ -827,7 +820,7 @@ MUTANTS = [
     ),
     (
         "device cuda without a visible GPU crashes instead of a configuration error",
-        "services/pipeserve/ring/worker.py",
+        "services/pipeserve/ring/build.py",
         '    if config.device.startswith("cuda") and not torch.cuda.is_available():',
         "    if False:",
         "tests/ring/test_data_backend.py",
@@ -1042,21 +1035,21 @@ MUTANTS = [
     ),
     (
         "structured outputs: the grammar's token mask is not applied",
-        "services/pipeserve/engine/grammar.py",
+        "services/pipeserve/worker/grammar.py",
         "            xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=vocab)",
         "            pass",
         "tests/engine/test_structured.py::test_structured_rows_match_hf_with_xgrammar_one_stage",
     ),
     (
         "structured outputs: a re-admitted request's matcher is not replayed from its outputs",
-        "services/pipeserve/engine/grammar.py",
+        "services/pipeserve/worker/grammar.py",
         "        for t in outputs:",
         "        for t in outputs[:0]:",
         "tests/engine/test_structured.py::test_structured_survives_preemption",
     ),
     (
         "structured outputs: the mask lands on the first rows, not the constrained ones",
-        "services/pipeserve/engine/grammar.py",
+        "services/pipeserve/worker/grammar.py",
         "            logits[rows] = sub.to(logits.dtype)",
         "            logits[list(range(len(rows)))] = sub.to(logits.dtype)",
         "tests/engine/test_structured.py::test_structured_rows_match_hf_with_xgrammar_one_stage",
@@ -1071,7 +1064,7 @@ MUTANTS = [
     (
         "structured outputs: a spec that does not compile is admitted",
         "services/pipeserve/engine/engine.py",
-        "        if params.structured_kind and self.runner.grammar_book is not None:",
+        "        if params.structured_kind and self.grammar_book is not None:",
         "        if False:",
         "tests/engine/test_structured.py::test_spec_that_does_not_compile_is_refused_before_admission",
     ),
@@ -1154,14 +1147,14 @@ MUTANTS = [
     ),
     (
         "frequency penalty counted over the prompt too",
-        "services/pipeserve/engine/penalties.py",
+        "services/pipeserve/worker/penalties.py",
         "            outputs = torch.tensor(hist[len(hist) - n_out :], device=dev)",
         "            outputs = torch.tensor(hist, device=dev)",
         "tests/engine/test_penalties.py -k one_stage",
     ),
     (
         "greedy rows skip the logits processors",
-        "services/pipeserve/engine/sampler.py",
+        "services/pipeserve/worker/sampler.py",
         "        tokens = chosen_from.argmax(dim=-1)",
         "        tokens = logits.argmax(dim=-1)",
         "tests/engine/test_penalties.py -k one_stage",
@@ -1175,14 +1168,14 @@ MUTANTS = [
     ),
     (
         "min_tokens off by one",
-        "services/pipeserve/engine/penalties.py",
+        "services/pipeserve/worker/penalties.py",
         "        if sample_indices[i] < s.min_tokens and s.min_tokens_stop_ids:",
         "        if sample_indices[i] <= s.min_tokens and s.min_tokens_stop_ids:",
         "tests/engine/test_penalties.py -k one_stage",
     ),
     (
         "token history kept across preemption",
-        "services/pipeserve/engine/model_runner.py",
+        "services/pipeserve/worker/model_runner.py",
         "            self.histories.free(rid)",
         "            pass",
         "tests/engine/test_penalties.py -k one_stage",
@@ -1196,7 +1189,7 @@ MUTANTS = [
     ),
     (
         "a huge repetition penalty turns negative logits into -inf",
-        "services/pipeserve/engine/penalties.py",
+        "services/pipeserve/worker/penalties.py",
         "            row[seen] = torch.where(vals.isfinite(), scaled.clamp(min=-big), vals)",
         "            row[seen] = scaled",
         "tests/engine/test_penalties.py -k huge",
@@ -1263,6 +1256,28 @@ MUTANTS = [
         "        rows = q.reshape(*q.shape[:-1], -1, BLOCK) * self.scales[ids][..., None]",
         "        rows = q.reshape(*q.shape[:-1], -1, BLOCK)",
         "tests/model/test_gguf_blocks.py -k computes",
+    ),
+    (
+        "the deciding side imports the executing side (engine/ imports worker/)",
+        "services/pipeserve/engine/engine.py",
+        "from pipeserve.engine.grammar import GrammarBook\n",
+        "from pipeserve.engine.grammar import GrammarBook\n"
+        "from pipeserve.worker.model_runner import ModelRunner\n",
+        "tests/test_import_graph.py -k engine_imports_no_worker",
+    ),
+    (
+        "the executing side reads the scheduler (worker/ imports more of engine/ than its contract)",
+        "services/pipeserve/worker/model_runner.py",
+        "from pipeserve.engine.executor import BusyMeter\n",
+        "from pipeserve.engine.executor import BusyMeter\nfrom pipeserve.engine.scheduler import Scheduler\n",
+        "tests/test_import_graph.py -k worker_sees_only",
+    ),
+    (
+        "a stage's runner patched after construction (HiCache tiers set on it afterwards)",
+        "services/pipeserve/ring/build.py",
+        "        request_check=faults.request_check(rank),\n    )\n",
+        "        request_check=faults.request_check(rank),\n    )\n    runner.tiers = tiers\n",
+        "tests/test_import_graph.py -k runner_attribute",
     ),
 ]
 

@@ -24,7 +24,7 @@ class CongruenceWatch:
 
     def __init__(self, llm: LLM) -> None:
         self.executor = llm.engine.executor
-        self.runner = llm.engine.runner
+        self.runner = llm.engine.executor.runner
         self.expected: dict[int, tuple[int, int]] = {}
         self.held_reqs: dict[int, frozenset[str]] = {}  # step -> request ids in the tables after it
         self.reported: dict[int, list[tuple[int, int]]] = {}  # step -> [(num_reqs, blocks)] by rank

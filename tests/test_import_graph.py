@@ -2,11 +2,18 @@
 
 * No import cycle between modules of `services/pipeserve`, nor between its packages.
 * The engine is handed its executor: `engine/` imports nothing from the process roles and
-  their layers (ring, care, stage, router, supervisor, entrypoints, cli).
+  their layers (ring, care, stage, router, supervisor, entrypoints, cli), nor does `worker/`.
+* Deciding and executing sides (issue 22): `engine/` (stage 0's scheduler, block manager, requests,
+  plans) imports nothing from `worker/` (model runner, sampler, KV pool, the local executor): the
+  worker implements engine/executor.py's contract and is handed in. `worker/` sees of `engine/` only
+  the contract: plan.py (the messages), executor.py (the Executor protocol, BusyMeter) and
+  grammar.py (the GrammarBook both sides compile specs with).
+* A stage's runner is built in one place with everything it uses (worker/build.py): no module sets
+  an attribute on a runner after construction (`runner.x = ...`, `stage.runner.x = ...`).
 * The ring is below the stage process: `ring/` imports nothing from stage 0's front (stage),
   process care (care) or the roles above them.
 * The router needs only the tokenizer files, never the weights: it imports nothing that
-  runs a model (engine, model, ring, stage) — what `pipeserve router` on its own will rely on.
+  runs a model (engine, worker, model, ring, stage) — what `pipeserve router` on its own will rely on.
 * The router's and the operator's images have no torch, safetensors or transformers: no module those
   processes load imports one of them at module level, directly or through the modules it imports at
   module level (function bodies and `if TYPE_CHECKING:` blocks do not run on import). The modules they
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # Each package in a folder named as it is imported: services/pipeserve, operator/pipeserve_operator,
@@ -115,9 +124,26 @@ def _imports_of(package: str) -> set[str]:
     return {t for m, ts in import_graph().items() if _package(m) == package for t in ts}
 
 
-def test_engine_imports_no_process_role() -> None:
-    bad = {t for t in _imports_of("pipeserve.engine") if t.split(".")[1] in ROLES}
-    assert bad == set(), f"engine/ imports {sorted(bad)}: hand it what it needs instead"
+@pytest.mark.parametrize("package", ["pipeserve.engine", "pipeserve.worker"])
+def test_engine_imports_no_process_role(package: str) -> None:
+    bad = {t for t in _imports_of(package) if t.split(".")[1] in ROLES}
+    assert bad == set(), f"{package} imports {sorted(bad)}: hand it what it needs instead"
+
+
+def test_engine_imports_no_worker() -> None:
+    """The deciding side never imports the executing side: it is handed an Executor."""
+    assert "pipeserve.worker.model_runner" in _modules()  # the checker sees the worker package
+    bad = {t for t in _imports_of("pipeserve.engine") if _package(t) == "pipeserve.worker"}
+    assert bad == set(), f"engine/ imports {sorted(bad)}: take it through the Executor contract"
+
+
+# What worker/ may import from engine/: the contract, never the scheduler's state.
+ENGINE_CONTRACT = {"pipeserve.engine.plan", "pipeserve.engine.executor", "pipeserve.engine.grammar"}
+
+
+def test_worker_sees_only_the_engine_contract() -> None:
+    bad = {t for t in _imports_of("pipeserve.worker") if _package(t) == "pipeserve.engine"} - ENGINE_CONTRACT
+    assert bad == set(), f"worker/ imports {sorted(bad)} of engine/: only {sorted(ENGINE_CONTRACT)}"
 
 
 def test_ring_is_below_the_stage_process() -> None:
@@ -128,13 +154,45 @@ def test_ring_is_below_the_stage_process() -> None:
 
 def test_router_runs_no_model() -> None:
     bad = {
-        t for t in _imports_of("pipeserve.router") if t.split(".")[1] in ("engine", "model", "ring", "stage")
+        t
+        for t in _imports_of("pipeserve.router")
+        if t.split(".")[1] in ("engine", "worker", "model", "ring", "stage")
     }
     assert bad == set(), f"router/ imports {sorted(bad)}"
 
 
 def test_the_checker_sees_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def runner_attribute_writes(source: str) -> list[str]:
+    """`runner.x = ...` (or `<anything>.runner.x = ...`) assignments in a module's source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign | ast.AugAssign)
+            else []
+        )
+        for t in targets:
+            if isinstance(t, ast.Attribute) and (
+                (isinstance(t.value, ast.Name) and t.value.id == "runner")
+                or (isinstance(t.value, ast.Attribute) and t.value.attr == "runner")
+            ):
+                found.append(f"line {t.lineno}: {ast.unparse(t)}")
+    return found
+
+
+def test_no_runner_attribute_set_after_construction() -> None:
+    sample = "runner = R()\nrunner.tiers = t\nself.runner.grammar = g\nself.runner = r\n"
+    assert runner_attribute_writes(sample) == [
+        "line 2: runner.tiers",
+        "line 3: self.runner.grammar",
+    ]
+    bad = {m: w for m, path in _modules().items() if (w := runner_attribute_writes(path.read_text()))}
+    assert bad == {}, f"pass it to worker/build.py's build_runner instead: {bad}"
 
 
 # --- what the router's and the operator's processes load imports no torch at module level ---

@@ -17,14 +17,14 @@ def assert_pool_free(llm: LLM) -> None:
     assert not eng.has_unfinished()
     assert eng.num_free_blocks == eng.num_total_blocks
     assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
-    assert eng.runner.reqs == {}, "executor still holds request tables"
+    assert eng.executor.runner.reqs == {}, "executor still holds request tables"
 
 
 def test_mixed_batch_matches_hf(model_dir: Path) -> None:
     prompts = random_prompts(18, 1, 40, 1024, seed=1) + random_prompts(6, 150, 420, 1024, seed=2)
     prompts[0] = prompts[0][:1]  # a one-token prompt
     llm = LLM(str(model_dir), max_model_len=512, num_kv_blocks=1024)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     prepare = runner.prepare
     decode_groups: list[int] = []
 

@@ -12,11 +12,11 @@ import torch
 
 from pipeserve import LLM, SamplingParams
 from pipeserve.config import EngineConfig
-from pipeserve.engine import kv_cache
 from pipeserve.errors import ConfigError
 from pipeserve.hicache.assemble import page_layouts
 from pipeserve.hicache.page import PageError, decode_page, encode_page
 from pipeserve.model.config import ModelConfig
+from pipeserve.worker import kv_cache
 
 CPU = torch.device("cpu")
 
@@ -34,7 +34,7 @@ def test_kv_cache_dtype_is_validated(llama_dir: Path):
 
 
 def test_default_pool_is_what_the_engine_can_use(llama_dir: Path, caplog):
-    caplog.set_level(logging.INFO, logger="pipeserve.engine.kv_cache")
+    caplog.set_level(logging.INFO, logger="pipeserve.worker.kv_cache")
     cfg = ModelConfig.from_dir(str(llama_dir), None)
     config = EngineConfig(model=str(llama_dir), max_num_seqs=3, block_size=16)
     # 3 requests of 100 tokens: 7 blocks each, far under any memory cap.
@@ -45,7 +45,7 @@ def test_default_pool_is_what_the_engine_can_use(llama_dir: Path, caplog):
 
 
 def test_memory_cap_binds_and_says_so(llama_dir: Path, caplog):
-    caplog.set_level(logging.INFO, logger="pipeserve.engine.kv_cache")
+    caplog.set_level(logging.INFO, logger="pipeserve.worker.kv_cache")
     cfg = ModelConfig.from_dir(str(llama_dir), None)
     fraction = 0.01
     config = EngineConfig(model=str(llama_dir), max_num_seqs=10**7, kv_cache_memory_fraction=fraction)
@@ -116,8 +116,8 @@ def test_16bit_kv_greedy_stays_within_tolerance(llama_dir: Path):
     outs, pool_bytes = {}, {}
     for dtype in ("float32", "float16", "bfloat16"):
         with LLM(str(llama_dir), kv_cache_dtype=dtype, num_kv_blocks=64, max_model_len=256) as llm:
-            pool_bytes[dtype] = llm.engine.runner.kv_pool.nbytes
-            assert llm.engine.runner.kv_pool.dtype == getattr(torch, dtype)
+            pool_bytes[dtype] = llm.engine.executor.runner.kv_pool.nbytes
+            assert llm.engine.executor.runner.kv_pool.dtype == getattr(torch, dtype)
             outs[dtype] = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert pool_bytes["float16"] * 2 == pool_bytes["bfloat16"] * 2 == pool_bytes["float32"]
     for dtype, (share, margin) in TOLERANCE.items():

@@ -18,10 +18,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from conftest import _hf_model, hf_greedy, random_prompts, record_plans
 from pipeline_support import CongruenceWatch
 from pipeserve import LLM, SamplingParams
-from pipeserve.engine.model_runner import PlanMismatch
-from pipeserve.engine.penalties import apply_processors
 from pipeserve.engine.plan import NewRequest, SamplingSpec, ScheduledChunk, StepPlan, seal
-from pipeserve.engine.sampler import Sampler
+from pipeserve.worker.model_runner import PlanMismatch
+from pipeserve.worker.penalties import apply_processors
+from pipeserve.worker.sampler import Sampler
 
 MAX_TOKENS = 14
 
@@ -200,7 +200,7 @@ def test_the_last_stage_rebuilds_histories_from_plans_and_refuses_gaps(llama_dir
     """History = NewRequest.history + every chunk; a first chunk past it (a cache hit sent without its
     tokens), or one that does not begin with the token this stage sampled, is a PlanMismatch;
     freeing drops it, so a re-admission (preemption) starts afresh; plain rows keep none."""
-    runner = LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.runner
+    runner = LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.executor.runner
     pen = _spec(frequency_penalty=1.0)
     out = runner.execute(
         _plan(1, [NewRequest("a", pen, history=[5, 6])], [ScheduledChunk("a", [7, 8], 2, [0], 0)])

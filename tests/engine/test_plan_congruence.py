@@ -14,17 +14,16 @@ import torch
 
 from conftest import random_prompts
 from pipeserve import LLM, SamplingParams
-from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import (
     NewRequest,
     SamplingSpec,
     ScheduledChunk,
     StepPlan,
-    decode_plan,
-    encode_plan,
     plan_digest,
     seal,
 )
+from pipeserve.ring.messages import Forward, decode_frame, encode_frame
+from pipeserve.worker.model_runner import PlanMismatch
 
 SPEC = SamplingSpec(0.0, -1, 1.0, 0.0, None, None)
 
@@ -41,11 +40,12 @@ def _plan(**kw) -> StepPlan:
 
 
 def test_plan_round_trips_without_pickle() -> None:
+    """As the ring carries it: in a Forward frame (ring/messages.py), msgpack, no pickle."""
     plan = _plan()
-    data = encode_plan(plan)
+    data = encode_frame(Forward(plan, []))
     assert isinstance(data, bytes) and b"pickle" not in data
-    back = decode_plan(data)
-    assert back == plan and plan_digest(back) == plan.digest != 0
+    back = decode_frame(data)
+    assert isinstance(back, Forward) and back.plan == plan and plan_digest(back.plan) == plan.digest != 0
 
 
 def test_digest_covers_every_field() -> None:
@@ -62,12 +62,13 @@ def test_digest_covers_every_field() -> None:
 
 def test_decoder_rejects_malformed_bytes() -> None:
     with pytest.raises(msgspec.ValidationError):
-        decode_plan(msgspec.msgpack.encode({"step_id": "one", "freed": [], "new_requests": [], "chunks": []}))
+        bad_plan = {"step_id": "one", "freed": [], "new_requests": [], "chunks": []}
+        decode_frame(msgspec.msgpack.encode({"type": "forward", "plan": bad_plan, "reports": []}))
 
 
 @pytest.fixture
 def runner(llama_dir: Path):
-    return LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.runner
+    return LLM(str(llama_dir), max_model_len=128, num_kv_blocks=32).engine.executor.runner
 
 
 @pytest.mark.parametrize(
@@ -110,9 +111,9 @@ def test_engine_plans_keep_executor_tables_in_step(llama_dir: Path) -> None:
 
     def checked_step():
         finished = step()
-        sched, runner = eng.scheduler, eng.runner
+        sched, runner = eng.scheduler, eng.executor.runner
         live = {r.req_id: r for r in sched.requests.values() if r.in_executors}
-        assert set(runner.reqs) == set(live) | set(sched.pending_frees)
+        assert set(runner.reqs) == set(live) | set(sched._freed)  # freed by the next plan
         for rid, req in live.items():
             assert runner.reqs[rid].block_ids == req.block_ids
             assert runner.reqs[rid].num_tokens == req.num_computed
@@ -123,4 +124,4 @@ def test_engine_plans_keep_executor_tables_in_step(llama_dir: Path) -> None:
     prompts = [shared + p for p in random_prompts(8, 10, 40, 1024, seed=31)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30))
     assert eng.scheduler.num_preemptions > 0
-    assert eng.runner.reqs == {}
+    assert eng.executor.runner.reqs == {}

@@ -10,7 +10,7 @@ import torch
 from conftest import hf_logits, random_prompts
 from pipeserve import LLM, SamplingParams
 from pipeserve.engine.plan import SamplingSpec
-from pipeserve.engine.sampler import Sampler, _filter
+from pipeserve.worker.sampler import Sampler, _filter
 
 
 @pytest.fixture(scope="module")

@@ -121,7 +121,7 @@ def _check_batch(llm: LLM, path: Path, seed: int, copies: int = 1) -> None:
 def test_structured_rows_match_hf_with_xgrammar_one_stage(llama_dir: Path) -> None:
     llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=128)
     _check_batch(llm, llama_dir, seed=31)
-    assert not llm.engine.runner.grammar.rows, "matchers outlive their requests"
+    assert not llm.engine.executor.runner.grammar.rows, "matchers outlive their requests"
     long = SamplingParams(
         temperature=0, max_tokens=100, structured_kind="json", structured=SPECS[0][1], structured_compact=True
     )
@@ -180,7 +180,8 @@ def test_spec_that_does_not_compile_is_refused_before_admission(
 def test_matcher_masks_its_row_only_and_a_rejected_token_fails_its_request(llama_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from pipeserve.engine.grammar import GrammarBook, GrammarRows
+    from pipeserve.engine.grammar import GrammarBook
+    from pipeserve.worker.grammar import GrammarRows
 
     cfg = ModelConfig.from_dir(str(llama_dir), torch.float32)
     digit = AutoTokenizer.from_pretrained(str(llama_dir)).encode("7", add_special_tokens=False)[0]

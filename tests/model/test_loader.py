@@ -107,8 +107,8 @@ def test_mistral_sliding_window_caps_context(llama_dir: Path, tmp_path: Path) ->
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_dtypes_load_and_run(llama_dir: Path, dtype: str) -> None:
     llm = LLM(str(llama_dir), dtype=dtype, max_model_len=256, num_kv_blocks=32)
-    assert llm.engine.runner.kv_pool.dtype == getattr(torch, dtype)
-    assert next(llm.engine.runner.model.parameters()).dtype == getattr(torch, dtype)
+    assert llm.engine.executor.runner.kv_pool.dtype == getattr(torch, dtype)
+    assert next(llm.engine.executor.runner.model.parameters()).dtype == getattr(torch, dtype)
     out = llm.generate([PROMPT[:40]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8
     # Low precision still tracks float32 on the first token (logits are far apart by design).

@@ -24,7 +24,8 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from pipeserve.engine.plan import StepPlan, decode_plan, encode_plan, plan_digest
+from pipeserve.engine.plan import StepPlan, plan_digest
+from pipeserve.ring.messages import Forward, decode_frame, encode_frame
 from serving_support import running_up
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -187,7 +188,7 @@ def test_otlp_endpoint_exports_to_a_collector() -> None:
 
 def test_plans_without_traces_keep_their_bytes() -> None:
     plain = StepPlan(7, ["a"], [], [])
-    assert b"traces" not in encode_plan(plain)
+    assert b"traces" not in encode_frame(Forward(plain, []))
     traced = StepPlan(7, ["a"], [], [], traces={"r": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
-    assert decode_plan(encode_plan(traced)) == traced
+    assert decode_frame(encode_frame(Forward(traced, []))) == Forward(traced, [])
     assert plan_digest(traced) != plan_digest(plain)

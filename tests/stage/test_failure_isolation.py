@@ -26,8 +26,8 @@ import torch
 from conftest import hf_greedy
 from pipeserve import LLM, SamplingParams
 from pipeserve.engine.plan import SamplingSpec
-from pipeserve.engine.sampler import Sampler, _filter
 from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.worker.sampler import Sampler, _filter
 from serving_support import generate, greedy_request, live_group, metric, stub, wait_until
 
 DEATH_TEMPERATURES = [1e-40, 1e-38, 1e-300, 5e-324, 1e-6, 3.4e38, 1e300, 1.7976931348623157e308]
@@ -152,7 +152,7 @@ def test_offline_llm_reports_a_failed_request(llama_dir: Path, monkeypatch: pyte
     assert outs[0].outputs[0].token_ids == hf_greedy(llama_dir, good, 8, ignore_eos=True)
     assert outs[1].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == []
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
-    assert math.isfinite(llm.engine.runner.meter.busy_s)
+    assert math.isfinite(llm.engine.executor.meter.busy_s)
 
 
 def test_readyz_and_health_agree_the_moment_the_group_stops(llama_dir: Path, tmp_path: Path) -> None:

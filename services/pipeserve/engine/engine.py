@@ -2,10 +2,12 @@
 
 `step()` sends every plan the ring can take (up to max_inflight; one with a
 single stage), then waits for the oldest plan's result and applies it,
-returning the requests that finished. The executor is the in-process
-ModelRunner for one stage, or the ring of stage processes (ring/leader.py);
-either is built outside the engine and handed in (stage/factory.py
-`build_engine`), so the engine imports nothing from stage/.
+returning the requests that finished. The engine knows only the Executor
+contract (engine/executor.py): plans go in, StepOutputs come out (engine/plan.py),
+and the pool's size and stage 0's busy meter come from it. The executor — the
+in-process worker/local.py for one stage, or the ring of stage processes
+(ring/leader.py) — is built outside the engine and handed in (stage/factory.py
+`build_engine`), so the engine imports nothing from worker/, ring/ or stage/.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import NoReturn, Protocol
 from pipeserve.config import EngineConfig
 from pipeserve.engine.block_manager import BlockManager
 from pipeserve.engine.executor import Executor
+from pipeserve.engine.grammar import GrammarBook
 from pipeserve.engine.host_index import HostIndex
-from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.prefix_loads import L3Directory
 from pipeserve.engine.request import FinishReason, Request
@@ -46,20 +48,21 @@ class LLMEngine:
         config: EngineConfig,
         model_config: ModelConfig,
         max_model_len: int,
-        runner: ModelRunner,
         executor: Executor,
+        grammar_book: GrammarBook | None = None,
         host_slots: int = 0,
         l3: L3Directory | None = None,
     ) -> None:
-        """`runner` is stage 0's own (its busy meter); `executor` gets plans executed (ring formed).
-        HiCache: `host_slots` L2 slots on every stage (0: no L2), `l3` stage 0's view of L3 (None: no L3)."""
+        """`executor` gets plans executed (ring formed); `grammar_book` compiles structured specs
+        before admission (None: not checked here). HiCache: `host_slots` L2 slots on every stage
+        (0: no L2), `l3` stage 0's view of L3 (None: no L3)."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.runner = runner
         self.executor = executor
+        self.grammar_book = grammar_book
         self.block_manager = BlockManager(
-            runner.num_blocks,
+            executor.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             HostIndex(host_slots) if host_slots else None,
@@ -87,10 +90,8 @@ class LLMEngine:
         if params.max_tokens is None:  # "up to the context": the caller resolves it against the prompt
             raise InvalidRequestError("max_tokens", "must be resolved first (resolve_max_tokens)")
         check_prompt(prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size)
-        if params.structured_kind and self.runner.grammar_book is not None:  # cached: stage/server.py
-            self.runner.grammar_book.check(
-                params.structured_kind, params.structured, params.structured_compact
-            )
+        if params.structured_kind and self.grammar_book is not None:  # cached: stage/server.py
+            self.grammar_book.check(params.structured_kind, params.structured, params.structured_compact)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None
@@ -119,7 +120,7 @@ class LLMEngine:
     # --- loop ---------------------------------------------------------------
     def step(self) -> list[Request]:
         with self.executor.lock:
-            with self.runner.meter.measure():
+            with self.executor.meter.measure():
                 while self.executor.can_submit():  # transport rule 3: send what is owed first
                     plan = self.scheduler.schedule()
                     if plan.is_empty():
@@ -132,7 +133,7 @@ class LLMEngine:
                 self.scheduler.wait_for_tiers()
                 return []
             output = self.executor.collect()
-            with self.runner.meter.measure():
+            with self.executor.meter.measure():
                 plan = self._inflight.popleft()
                 if self.observer is not None:
                     self.observer.completed(plan)
@@ -164,12 +165,10 @@ class LLMEngine:
             pass
 
     def shutdown(self) -> None:
-        """Stop the executors (the stage processes exit cleanly); idempotent."""
+        """Stop the executors (the stage processes exit cleanly) and HiCache; idempotent."""
         self.executor.close()
         if self.scheduler.fetch.l3 is not None:
             self.scheduler.fetch.l3.close()
-        if self.runner.tiers is not None:
-            self.runner.tiers.close()
 
     @property
     def num_inflight_plans(self) -> int:

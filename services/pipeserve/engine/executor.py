@@ -1,37 +1,45 @@
-"""Executor: how stage 0's engine gets plans executed.
+"""Executor: the contract by which stage 0's engine gets plans executed (the engine knows only this).
 
-Contract (both implementations):
+Contract (every implementation):
+  max_inflight   plans the executor takes before a result must be collected
+  num_blocks     KV blocks in every stage's pool (the group's agreed count): the block manager's size
+  meter          stage 0's BusyMeter; the engine measures its own scheduling into it too
+  lock           held by the engine around one step, so a background heartbeat never
+                 interleaves with a step
   can_submit()   True while fewer than `max_inflight` plans await results
   submit(plan)   run stage 0's part of the plan and pass it on; never waits
                  for a result (ordering rule 3: send what is owed first)
   collect()      the StepOutput of the oldest submitted plan, in submit order;
                  blocks only here, within a deadline; raises GroupStopped
-  lock           held by the engine around one step, so a background
-                 heartbeat never interleaves with a step
   stop_group(r)  stage 0 found a divergence: stop every executor, raise GroupStopped
-  close()        stop the executors (clean shutdown); idempotent
+  close()        stop the executors and stage 0's HiCache tiers (clean shutdown); idempotent
 
-LocalExecutor runs the whole model in-process (one stage, one plan at a
-time); ring/leader.py's PipelineExecutor drives a ring of stage processes.
-The engine knows only this Protocol: stage/factory.py builds the executor
-and hands it in, so engine/ imports nothing from stage/.
+Plans go in and StepOutputs come out, both typed in engine/plan.py. The implementations
+are on the executing side: worker/local.py's LocalExecutor runs the whole model in-process
+(one stage, one plan at a time); ring/leader.py's PipelineExecutor drives a ring of stage
+processes. stage/factory.py builds one and hands it in: engine/ imports nothing from worker/,
+ring/ or stage/ (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn, Protocol
 
-from pipeserve.engine.model_runner import ModelRunner
 from pipeserve.engine.plan import StepOutput, StepPlan
-from pipeserve.errors import GroupStopped
 
 
 class Executor(Protocol):
     max_inflight: int
     lock: threading.RLock
 
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def meter(self) -> BusyMeter: ...
     def can_submit(self) -> bool: ...
     def submit(self, plan: StepPlan) -> None: ...
     def collect(self) -> StepOutput: ...
@@ -41,29 +49,31 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-class LocalExecutor:
-    max_inflight = 1
+class BusyMeter:
+    """Seconds a stage spends working, against seconds since its first work.
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.lock = threading.RLock()
-        self._done: deque[StepOutput] = deque()
+    Nested measure() blocks count once (stage 0 measures scheduling around
+    the runner's own measurement).
+    """
 
-    def can_submit(self) -> bool:
-        return not self._done
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.started: float | None = None
+        self._depth = 0
 
-    def submit(self, plan: StepPlan) -> None:
-        self._done.append(self.runner.execute(plan))
-
-    def collect(self) -> StepOutput:
-        return self._done.popleft()
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        if self.started is None:
+            self.started = t0
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.busy_s += time.perf_counter() - t0
 
     @property
-    def num_inflight(self) -> int:
-        return len(self._done)
-
-    def stop_group(self, reason: str) -> NoReturn:
-        raise GroupStopped(reason)
-
-    def close(self) -> None:
-        pass
+    def wall_s(self) -> float:
+        return 0.0 if self.started is None else time.perf_counter() - self.started

@@ -1,6 +1,6 @@
-"""StepPlan and StepOutput: the only messages between the deciding scheduler
-(stage 0) and the executors (its own model runner, and later the follower
-stages).
+"""StepPlan and StepOutput: the only messages between the deciding side (engine/: stage 0's
+scheduler) and the executing side (worker/: every stage's model runner, in-process or round the
+ring).
 
 A plan is complete: an executor needs nothing but the plan and its own KV pool
 to run the step. Serialized with msgspec (MessagePack) — never pickle. The
@@ -192,7 +192,6 @@ class StepOutput(msgspec.Struct, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_plan_decoder = msgspec.msgpack.Decoder(StepPlan)
 
 
 def plan_digest(plan: StepPlan) -> int:
@@ -204,9 +203,8 @@ def seal(plan: StepPlan) -> StepPlan:
     return msgspec.structs.replace(plan, digest=plan_digest(plan))
 
 
-def encode_plan(plan: StepPlan) -> bytes:
-    return _encoder.encode(plan)
-
-
-def decode_plan(data: bytes) -> StepPlan:
-    return _plan_decoder.decode(data)
+def needs_history(spec: SamplingSpec) -> bool:
+    """Whether the spec's penalties read the request's tokens: stage 0 then sends the tokens before
+    a request's first chunk (NewRequest.history) and the last stage keeps its token history
+    (worker/penalties.py)."""
+    return spec.presence_penalty != 0 or spec.frequency_penalty != 0 or spec.repetition_penalty != 1

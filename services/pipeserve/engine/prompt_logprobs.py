@@ -1,13 +1,14 @@
-"""prompt_logprobs (vLLM's extension): each prompt token's logprob, rank and the top k there.
+"""prompt_logprobs (vLLM's extension), the deciding side: which rows score, and keeping the scores.
+
+Each prompt token's logprob, rank and the top k there.
 
 Who does what (DESIGN: only stage 0 decides):
 * stage 0 (`chunk_scoring`) names, per prefill chunk, how many of its rows score a prompt token
   (`ScheduledChunk.score_rows`) and, when the last of them scores the next chunk's first token,
   that token (`score_next`): the last stage only has the chunk it runs. Row i of a chunk starting
   at position s scores the prompt token at position s + 1 + i; position 0 has no score.
-* the last stage (`score`) takes float32 `log_softmax` of those rows' logits, in slices of
-  SLICE_ROWS rows so a long prompt never holds [len, vocab] at once, and returns `PromptScores`
-  in `StepOutput.prompt_scores`, along the ring to stage 0.
+* the last stage (worker/prompt_logprobs.py `score`) takes float32 `log_softmax` of those rows'
+  logits and returns `PromptScores` in `StepOutput.prompt_scores`, along the ring to stage 0.
 * stage 0 (`keep`) appends each position once, in order: a recompute after preemption scores
   positions it already holds again, and the first value stays; a position past the next one
   expected (a gap) or a chunk whose scores are missing or of the wrong size is a ValueError,
@@ -18,13 +19,8 @@ the same: cached positions would have no logits), but its full blocks still ente
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 from pipeserve.engine.plan import PromptScores, ScheduledChunk
 
-SLICE_ROWS = 256  # rows of [rows, vocab] float32 logits held at once
 PromptScore = tuple[float, int, list[tuple[int, float]]]  # (logprob, rank, top k)
 
 
@@ -34,38 +30,6 @@ def chunk_scoring(prompt: list[int], start: int, n: int) -> tuple[int, int]:
     rows = max(0, min(start + n, len(prompt) - 1) - start)
     follows = start + n  # the position the chunk's last row scores
     return rows, (prompt[follows] if rows == n and follows < len(prompt) else -1)
-
-
-def targets(chunk: ScheduledChunk) -> list[int]:
-    """The prompt tokens the chunk's scored rows score."""
-    return ([*chunk.token_ids[1:], chunk.score_next])[: chunk.score_rows]
-
-
-@torch.inference_mode()
-def score(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,
-    row: int,
-    chunk: ScheduledChunk,
-    k: int,
-) -> PromptScores:
-    """The chunk's scores from its rows of `hidden` (the last stage's output), `row` its first."""
-    want = torch.tensor(targets(chunk), dtype=torch.long, device=hidden.device)
-    lps: list[float] = []
-    ranks: list[int] = []
-    top: list[list[tuple[int, float]]] = []
-    for a in range(0, chunk.score_rows, SLICE_ROWS):
-        b = min(a + SLICE_ROWS, chunk.score_rows)
-        logp = compute_logits(hidden[row + a : row + b]).float().log_softmax(dim=-1)
-        chosen = logp.gather(1, want[a:b, None])
-        lps += chosen[:, 0].tolist()
-        ranks += ((logp > chosen).sum(dim=-1) + 1).tolist()
-        if k:
-            v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            top += [list(zip(ii, vv, strict=True)) for ii, vv in zip(i.tolist(), v.tolist(), strict=True)]
-        else:
-            top += [[] for _ in range(b - a)]
-    return PromptScores(chunk.req_id, chunk.start_pos + 1, lps, ranks, top)
 
 
 def keep(held: list[PromptScore], chunk: ScheduledChunk, got: PromptScores | None) -> None:

@@ -31,7 +31,6 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
-from pipeserve.engine.penalties import needs_history
 from pipeserve.engine.plan import (
     BlockCopy,
     LoadOrder,
@@ -41,6 +40,7 @@ from pipeserve.engine.plan import (
     ScheduledChunk,
     StepOutput,
     StepPlan,
+    needs_history,
     seal,
 )
 from pipeserve.engine.prefix_loads import L3Directory, PrefixFetch
@@ -118,11 +118,6 @@ class Scheduler:
 
     def abort(self, req_id: str) -> Request | None:
         return self.finish(req_id, FinishReason.ABORT)
-
-    @property
-    def pending_frees(self) -> list[str]:
-        """Requests the executors still hold and the next plan will free."""
-        return list(self._freed)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._freed or self._stores or self.fetch.pending)

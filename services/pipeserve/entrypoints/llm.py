@@ -36,7 +36,7 @@ from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
-from pipeserve.ring.worker import layer_split
+from pipeserve.ring.build import layer_split
 from pipeserve.sampling_params import SamplingParams, resolve_max_tokens
 from pipeserve.stage.factory import build_engine
 from pipeserve.tokenizer import TokenizerAssets

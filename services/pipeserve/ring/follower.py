@@ -22,16 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from pipeserve.engine.model_runner import PlanMismatch
 from pipeserve.engine.plan import StepOutput
 from pipeserve.errors import ExitCode, GroupStopped
 from pipeserve.obs import tracing
+from pipeserve.ring.build import Stage
 from pipeserve.ring.leader import warm_activation
 from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
 from pipeserve.ring.plan_trace import PlanTraces
 from pipeserve.ring.replay import activation_digest, recorder_for
 from pipeserve.ring.transport import RingLink
-from pipeserve.ring.worker import Stage
+from pipeserve.worker.model_runner import PlanMismatch
 
 log = logging.getLogger(__name__)
 

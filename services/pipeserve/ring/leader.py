@@ -25,12 +25,13 @@ from typing import NoReturn, TypeVar
 
 import torch
 
+from pipeserve.engine.executor import BusyMeter
 from pipeserve.engine.plan import StepOutput, StepPlan
 from pipeserve.errors import GroupStopped
+from pipeserve.ring.build import Stage
 from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
 from pipeserve.ring.replay import activation_digest, recorder_for
 from pipeserve.ring.transport import RingLink
-from pipeserve.ring.worker import Stage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,6 +81,14 @@ class PipelineExecutor:
             self._keepalive.start()
 
     # --- executor contract ----------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def meter(self) -> BusyMeter:
+        return self.runner.meter
+
     def can_submit(self) -> bool:
         return len(self._inflight) < self.max_inflight
 
@@ -171,7 +180,15 @@ class PipelineExecutor:
         raise GroupStopped(self.failed, logged=True)
 
     def close(self) -> None:
-        """Clean shutdown: a Stop goes round the ring and comes back; results in flight are dropped."""
+        """Clean shutdown: a Stop goes round the ring and comes back; results in flight are dropped.
+        Stage 0's HiCache tiers close last (pages still queued for L3 get a bounded chance)."""
+        try:
+            self._close_ring()
+        finally:
+            if self.stage.tiers is not None:
+                self.stage.tiers.close()
+
+    def _close_ring(self) -> None:
         self._closing.set()
         if self._keepalive is not None:
             self._keepalive.join(timeout=self.heartbeat_s + 1)

@@ -33,16 +33,16 @@ import torch
 import xxhash
 
 from pipeserve.config import EngineConfig
-from pipeserve.engine.grammar import GrammarBook, GrammarRows
-from pipeserve.engine.kv_cache import allocate_pool
-from pipeserve.engine.model_runner import ModelRunner, PlanMismatch
+from pipeserve.engine.grammar import GrammarBook
 from pipeserve.engine.plan import SampledToken, ScheduledChunk, StageReport, StepPlan, plan_digest, seal
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader import load_stage_model
 from pipeserve.model.stage_model import StageSpec
 from pipeserve.obs.flight import FlightDump, FlightRecord, FlightRecorder, StageSetup, default_directory
+from pipeserve.ring.build import Stage, layer_split
 from pipeserve.ring.messages import Forward, Result, decode_frame
-from pipeserve.ring.worker import Stage, layer_split
+from pipeserve.worker.build import build_runner
+from pipeserve.worker.model_runner import ModelRunner, PlanMismatch
 
 
 def recorder_for(stage: Stage) -> FlightRecorder:
@@ -128,11 +128,11 @@ class _Group:
             stage_model = load_stage_model(
                 model, cfg, spec, s.max_model_len, cpu, s.quantization, s.quantization_group_size
             )
-            pool = allocate_pool(cfg, spec.num_layers, num_blocks, s.block_size, cpu)
-            runner = ModelRunner(stage_model, pool, s.block_size, s.seed, rank)
-            if spec.is_last:  # structured outputs are masked here, as in the group (engine/grammar.py)
-                runner.grammar = GrammarRows(GrammarBook(model, cfg.vocab_size, cfg.eos_token_ids))
-            self.runners.append(runner)
+            # Structured outputs are masked on the last stage, as in the group (worker/grammar.py).
+            book = GrammarBook(model, cfg.vocab_size, cfg.eos_token_ids) if spec.is_last else None
+            self.runners.append(
+                build_runner(stage_model, num_blocks, s.block_size, s.seed, cpu, grammar_book=book)
+            )
 
     def run(self, plan: StepPlan) -> tuple[list[StageReport], list[int | None], list[SampledToken]]:
         """Reports, activation digests (None on the last stage) and sampled tokens of one plan."""

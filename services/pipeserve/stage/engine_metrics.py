@@ -13,7 +13,7 @@ and from objects the loop's thread owns, read without locks: a scrape may be one
 from __future__ import annotations
 
 from pipeserve.care.health import Metric
-from pipeserve.engine.model_runner import BusyMeter
+from pipeserve.engine.executor import BusyMeter
 from pipeserve.engine.request import FinishReason
 from pipeserve.stage.engine_loop import EngineLoop
 

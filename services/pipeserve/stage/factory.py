@@ -1,21 +1,24 @@
 """build_engine: stage 0's engine with its executor — in-process for one stage, the ring for several.
 
 The engine (engine/) knows only the Executor protocol; this is where stage 0's
-stage is built (weights, pool, group joined: ring/worker.py) and the executor
-chosen: LocalExecutor when the group has one stage, else a PipelineExecutor
-whose ring is formed and warmed before the engine is returned.
+stage is built (weights, pool, group joined: ring/build.py) and the executor
+chosen: LocalExecutor (worker/local.py) when the group has one stage, else a
+PipelineExecutor whose ring is formed and warmed before the engine is returned.
+`stage_tiers` finds stage 0's HiCache tiers behind either, for its metrics.
 """
 
 from __future__ import annotations
 
 from pipeserve.config import EngineConfig
 from pipeserve.engine.engine import LLMEngine
-from pipeserve.engine.executor import Executor, LocalExecutor
+from pipeserve.engine.executor import Executor
 from pipeserve.errors import ConfigError
 from pipeserve.hicache.assemble import build_directory
+from pipeserve.hicache.stage_tiers import StageTiers
+from pipeserve.ring.build import build_stage
 from pipeserve.ring.group import Rendezvous
 from pipeserve.ring.leader import PipelineExecutor
-from pipeserve.ring.worker import build_stage
+from pipeserve.worker.local import LocalExecutor
 
 
 def build_engine(config: EngineConfig, rendezvous: Rendezvous | None = None) -> LLMEngine:
@@ -33,8 +36,14 @@ def build_engine(config: EngineConfig, rendezvous: Rendezvous | None = None) -> 
         config,
         stage.model_config,
         stage.max_model_len,
-        stage.runner,
         executor,
+        grammar_book=stage.grammar_book,
         host_slots=stage.host_slots,
         l3=build_directory(config, stage.layouts),
     )
+
+
+def stage_tiers(executor: Executor) -> StageTiers | None:
+    """Stage 0's HiCache tiers behind an executor build_engine made (None: no HiCache)."""
+    tiers = executor.runner.tiers if isinstance(executor, LocalExecutor | PipelineExecutor) else None
+    return tiers if isinstance(tiers, StageTiers) else None

@@ -34,9 +34,9 @@ from pipeserve.lifecycle import Phase
 from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.obs.logs import set_identity
 from pipeserve.obs.tracing import setup_tracing
+from pipeserve.ring.build import build_stage
 from pipeserve.ring.follower import Follower
 from pipeserve.ring.group import Rendezvous
-from pipeserve.ring.worker import build_stage
 from pipeserve.stage.cache_metrics import stage_tier_metrics
 from pipeserve.stage.engine_metrics import busy_metrics
 from pipeserve.stage.server import serve_leader

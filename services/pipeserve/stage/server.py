@@ -45,7 +45,6 @@ from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.engine.grammar import COMPILE_DEADLINE_S
 from pipeserve.errors import ExitCode, InvalidRequestError
-from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.lifecycle import Phase
 from pipeserve.obs import tracing
 from pipeserve.obs.flight import DumpOnSignal
@@ -67,7 +66,7 @@ from pipeserve.stage.engine_loop import (
     engine_thread,
 )
 from pipeserve.stage.engine_metrics import busy_metrics, engine_metrics
-from pipeserve.stage.factory import build_engine
+from pipeserve.stage.factory import build_engine, stage_tiers
 from pipeserve.stage.request_trace import RequestTrace, generate_interceptor
 
 log = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Stage 0 decides: a structured spec compiles (off the event loop, within a deadline)
         before the request is admitted; submit's own check then hits the cache (engine/grammar.py)."""
-        book = self.loop.engine.runner.grammar_book
+        book = self.loop.engine.grammar_book
         if not params.structured_kind or book is None:
             return
         args = (params.structured_kind, params.structured, params.structured_compact)
@@ -252,10 +251,10 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
         loop.phase is Phase.READY
     )  # a group stop is not-ready at once, here and in Health
     status.sources.append(lambda: engine_metrics(loop))
-    status.sources.append(lambda: busy_metrics(engine.runner.meter))
+    status.sources.append(lambda: busy_metrics(engine.executor.meter))
     status.sources.append(lambda: leader_tier_metrics(engine))
-    tiers = engine.runner.tiers
-    status.sources.append(lambda: stage_tier_metrics(tiers if isinstance(tiers, StageTiers) else None))
+    tiers = stage_tiers(engine.executor)
+    status.sources.append(lambda: stage_tier_metrics(tiers))
     loop.on_progress = detector.beat
     if isinstance(ring := engine.executor, PipelineExecutor):  # one stage: no ring, nothing recorded
         detector.on_wedge = lambda: ring.flight.dump(f"wedge: {detector.report}")

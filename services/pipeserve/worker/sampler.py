@@ -7,7 +7,7 @@ requests draw from the stage's generator.
 
 Logprobs are taken from the raw (unscaled, unfiltered) distribution, as vLLM
 does by default (`raw_logprobs`): before the logits processors too
-(penalties, logit_bias, min_tokens — engine/penalties.py), which pick the
+(penalties, logit_bias, min_tokens — worker/penalties.py), which pick the
 token of greedy and random rows alike.
 
 No accepted parameter can produce NaN/inf probabilities:
@@ -33,10 +33,10 @@ import logging
 import torch
 import xxhash
 
-from pipeserve.engine.penalties import apply_processors
 from pipeserve.engine.plan import RequestFailure, SampledToken, SamplingSpec
 from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.sampling_params import SAMPLING_EPS
+from pipeserve.worker.penalties import apply_processors
 
 log = logging.getLogger(__name__)
 

@@ -20,18 +20,14 @@ chunks; their answers to L3 load orders go into the report.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 import torch
 
-from pipeserve.engine import prompt_logprobs
-from pipeserve.engine.grammar import GrammarBook, GrammarRows
-from pipeserve.engine.penalties import TokenHistories
+from pipeserve.engine.executor import BusyMeter
 from pipeserve.engine.plan import (
     LoadAck,
     PromptScores,
@@ -44,9 +40,12 @@ from pipeserve.engine.plan import (
     StepPlan,
     plan_digest,
 )
-from pipeserve.engine.sampler import Sampler
 from pipeserve.model.layers import AttentionBatch, DecodeGroup, PrefillSpan
 from pipeserve.model.stage_model import StageModel
+from pipeserve.worker import prompt_logprobs
+from pipeserve.worker.grammar import GrammarRows
+from pipeserve.worker.penalties import TokenHistories
+from pipeserve.worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
 MIN_DECODE_GROUP = 8
@@ -100,46 +99,32 @@ class PreparedStep:
     scored: list[tuple[int, ScheduledChunk]] = field(default_factory=list)  # (first row, chunk) to score
 
 
-class BusyMeter:
-    """Seconds a stage spends working, against seconds since its first work.
-
-    Nested measure() blocks count once (stage 0 measures scheduling around
-    the runner's own measurement).
-    """
-
-    def __init__(self) -> None:
-        self.busy_s = 0.0
-        self.started: float | None = None
-        self._depth = 0
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        t0 = time.perf_counter()
-        if self.started is None:
-            self.started = t0
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.busy_s += time.perf_counter() - t0
-
-    @property
-    def wall_s(self) -> float:
-        return 0.0 if self.started is None else time.perf_counter() - self.started
-
-
 class ModelRunner:
     def __init__(
-        self, model: StageModel, kv_pool: torch.Tensor, block_size: int, seed: int, rank: int = 0
+        self,
+        model: StageModel,
+        kv_pool: torch.Tensor,
+        block_size: int,
+        seed: int,
+        rank: int = 0,
+        *,
+        grammar: GrammarRows | None = None,
+        tiers: CacheMoves | None = None,
+        request_check: Callable[[ScheduledChunk], str | None] | None = None,
     ) -> None:
+        """Everything a runner uses is given here (worker/build.py `build_runner` assembles it):
+        `grammar` the last stage's structured-output matchers (None elsewhere), `tiers` its
+        HiCache block moves (None: no HiCache), `request_check` a per-chunk reason to fail the
+        chunk's request, or None (ring/faults.py; a test hook)."""
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.num_blocks = kv_pool.shape[2]
         self.device = kv_pool.device
         self.rank = rank
+        self.grammar = grammar
+        self.tiers = tiers
+        self.request_check = request_check
         self.sampler = Sampler(self.device, seed)
         self.histories = TokenHistories()  # penalties' token histories; filled on the last stage only
         self.reqs: dict[str, _ReqState] = {}
@@ -147,12 +132,6 @@ class ModelRunner:
         self.block_refs: dict[int, int] = {}
         self.meter = BusyMeter()
         self._workspace: torch.Tensor | None = None
-        # Per-chunk check before execution: a reason to fail the chunk's request, or None (faults.py).
-        self.request_check: Callable[[ScheduledChunk], str | None] | None = None
-        self.tiers: CacheMoves | None = None
-        # Structured outputs: set on stage 0 (checks) and the last stage (matchers) by build_stage.
-        self.grammar_book: GrammarBook | None = None
-        self.grammar: GrammarRows | None = None
         self.prompt_scores: list[PromptScores] = []  # the last run's (last stage; StepOutput carries them)
 
     # --- plan -> state ------------------------------------------------------
@@ -326,7 +305,7 @@ class ModelRunner:
         indices = [step.sample_indices[i] for i in rows]
         if self.grammar is None or not self.grammar.rows:  # no constrained request: no mask, no copy
             return self._sample_rows(logits, req_ids, indices)
-        # --- structured outputs (engine/grammar.py): mask constrained rows, advance their matchers
+        # --- structured outputs (worker/grammar.py): mask constrained rows, advance their matchers
         bad = self.grammar.mask(logits, req_ids, indices)
         keep = [j for j, r in enumerate(req_ids) if r not in bad]
         req_ids = [req_ids[j] for j in keep]
@@ -344,7 +323,7 @@ class ModelRunner:
     def _sample_rows(
         self, logits: torch.Tensor, req_ids: list[str], indices: list[int]
     ) -> tuple[list[SampledToken], list[RequestFailure]]:
-        """The sampler over these rows, with the token histories penalties read (engine/penalties.py)."""
+        """The sampler over these rows, with the token histories penalties read (worker/penalties.py)."""
         specs = [self.reqs[r].sampling for r in req_ids]
         histories = [self.histories.get(r) for r in req_ids] if len(self.histories) else None
         tokens, failures = self.sampler(logits, req_ids, specs, indices, histories)
@@ -355,7 +334,7 @@ class ModelRunner:
     def _score(
         self, step: PreparedStep, hidden: torch.Tensor, failed: set[str]
     ) -> tuple[list[PromptScores], list[RequestFailure]]:
-        """prompt_logprobs of the chunks that ask (engine/prompt_logprobs.py); a failure is the request's."""
+        """prompt_logprobs of the chunks that ask (worker/prompt_logprobs.py); a failure is the request's."""
         out: list[PromptScores] = []
         failures: list[RequestFailure] = []
         for row, c in step.scored:

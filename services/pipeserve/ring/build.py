@@ -1,4 +1,5 @@
-"""Building one stage: its model slice, its KV pool, its runner and its ring link.
+"""Building one stage: its model slice, its KV pool, its runner and its ring link (one place:
+`build_stage`; the runner itself is assembled by worker/build.py, with nothing set afterwards).
 
 Order matters for congruence: a stage loads its weights and sizes its pool
 *before* it joins the group, so the identities compared at start-up describe
@@ -14,9 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeserve.config import EngineConfig
-from pipeserve.engine.grammar import GrammarBook, GrammarRows
-from pipeserve.engine.kv_cache import allocate_pool, kv_dtype, num_host_slots, num_kv_blocks
-from pipeserve.engine.model_runner import ModelRunner
+from pipeserve.engine.grammar import GrammarBook
 from pipeserve.errors import ConfigError
 from pipeserve.hicache.assemble import build_stage_tiers, l3_fingerprint, page_layouts
 from pipeserve.hicache.page import PageLayout
@@ -35,6 +34,9 @@ from pipeserve.ring.group import (
     join,
 )
 from pipeserve.ring.transport import RingLink
+from pipeserve.worker.build import build_runner
+from pipeserve.worker.kv_cache import kv_dtype, num_host_slots, num_kv_blocks
+from pipeserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class Stage:
     faults: Faults
     layouts: list[PageLayout]  # every stage's L3 page layout, rank order
     tiers: StageTiers | None  # this stage's L2 pool and L3 loader/writer (HiCache)
+    grammar_book: GrammarBook | None  # stage 0's structured-output checks (None on followers)
 
     @property
     def host_slots(self) -> int:
@@ -145,18 +148,23 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         link = RingLink(
             rank, config.stages, meta_pg, data_pg, cfg.dtype, device, config.ring_timeout_s, faults
         )
-    pool = allocate_pool(cfg, spec.num_layers, blocks, config.block_size, device, pool_dtype)
-    runner = ModelRunner(model, pool, config.block_size, config.seed, rank)
-    runner.request_check = faults.request_check(rank)
-    # Structured outputs: stage 0 compiles before admission, the last stage holds the matchers.
-    book = GrammarBook(config.model, cfg.vocab_size, cfg.eos_token_ids)
-    runner.grammar_book = book if rank == 0 else None
-    runner.grammar = GrammarRows(book) if spec.is_last else None
     layouts = page_layouts(
         l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size, pool_dtype
     )
     tiers = build_stage_tiers(config, layouts[rank], host_slots, device, faults.l3_delay_s(rank))
-    runner.tiers = tiers
+    # Structured outputs: stage 0 compiles before admission, the last stage holds the matchers.
+    book = GrammarBook(config.model, cfg.vocab_size, cfg.eos_token_ids)
+    runner = build_runner(
+        model,
+        blocks,
+        config.block_size,
+        config.seed,
+        device,
+        kv_dtype=pool_dtype,
+        grammar_book=book,
+        tiers=tiers,
+        request_check=faults.request_check(rank),
+    )
     log.info(
         "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens, "
         "L2 %d slots, L3 %s",
@@ -170,4 +178,6 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         host_slots,
         "on" if config.l3_url else "off",
     )
-    return Stage(config, cfg, max_len, spec, runner, link, faults, layouts, tiers)
+    return Stage(
+        config, cfg, max_len, spec, runner, link, faults, layouts, tiers, book if rank == 0 else None
+    )

@@ -1,4 +1,4 @@
-"""Logits processors (vLLM's definitions) and the token history they read. Last stage only.
+"""Logits processors (vLLM's definitions) and the token history they read: the last stage's.
 
 Applied by the sampler before temperature/top-k/top-p/min-p, in vLLM's order,
 to greedy rows as to random ones:
@@ -19,8 +19,9 @@ unconstrained path pays one scan of the specs. Results may overflow float32
 
 Where the history lives (DESIGN: only stage 0 decides): `TokenHistories` on
 the last stage, rebuilt from the plan alone. A request whose spec needs it
-(`needs_history`) starts one when it enters (NewRequest.history: the tokens
-before its first chunk, i.e. a prefix-cache hit), each chunk appends its
+(`needs_history`, engine/plan.py: stage 0 reads it too) starts one when it
+enters (NewRequest.history: the tokens before its first chunk, i.e. a
+prefix-cache hit), each chunk appends its
 tokens, and it is dropped when the plan frees the request — so a preempted
 request, re-admitted with all its tokens to recompute, starts afresh. A chunk
 that does not continue the history, or that does not begin with the token
@@ -34,13 +35,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeserve.engine.plan import needs_history
+
 if TYPE_CHECKING:
     from pipeserve.engine.plan import SamplingSpec
-
-
-def needs_history(spec: SamplingSpec) -> bool:
-    """Whether the spec's penalties read the request's tokens."""
-    return spec.presence_penalty != 0 or spec.frequency_penalty != 0 or spec.repetition_penalty != 1
 
 
 def uses_processors(spec: SamplingSpec) -> bool:
