@@ -203,15 +203,15 @@ MUTANTS = [
     (
         "draining drops the running requests",
         "services/pipeserve/stage/engine_loop.py",
-        "                if self.phase is Phase.DRAINING and not self._active:",
-        "                if self.phase is Phase.DRAINING:",
+        "                if self.phase is ProcessPhase.DRAINING and not self._active:",
+        "                if self.phase is ProcessPhase.DRAINING:",
         "tests/stage/test_stage_server.py -k sigterm",
     ),
     (
         "stage ready before the ring is formed",
         "services/pipeserve/care/health.py",
-        "        return self.phase is Phase.READY and not self.wedged",
-        "        return self.phase is not Phase.LOADING and not self.wedged",
+        "self.phase is ProcessPhase.READY and not self.wedged and",
+        "self.phase is not ProcessPhase.LOADING and not self.wedged and",
         "tests/stage/test_stage_server.py -k readyz",
     ),
     (

@@ -134,10 +134,6 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS or self.top_k == 1
-
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_CHARS = 256 * 1024
