@@ -708,7 +708,7 @@ MUTANTS = [
     ),
     (
         "pipeserve up imports torch",
-        "services/pipeserve/care/launcher.py",
+        "services/pipeserve/local/launcher.py",
         "if TYPE_CHECKING:  # ring.group imports torch",
         "if True:  # ring.group imports torch",
         "tests/supervisor/test_up_imports.py",
@@ -1228,6 +1228,21 @@ MUTANTS = [
         "cpu, s.quantization, s.quantization_group_size",
         'cpu, "none", s.quantization_group_size',
         "tests/obs/test_flight.py -k quantized",
+    ),
+    (
+        "the operator builds the whole CLI to check engine flags",
+        "operator/pipeserve_operator/resources.py",
+        "    from pipeserve.stage_flags import stage_parser\n",
+        "    from pipeserve.cli import build_parser as stage_parser\n",
+        "tests/test_import_graph.py -k operator_imports",
+    ),
+    (
+        "the operator imports the local launch side",
+        "operator/pipeserve_operator/observe.py",
+        "from pipeserve.care.restarts import GroupObservation, StageObservation, StageState\n",
+        "from pipeserve.care.restarts import GroupObservation, StageObservation, StageState\n"
+        "from pipeserve.local.launcher import free_port\n",
+        "tests/test_import_graph.py -k operator_imports",
     ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent

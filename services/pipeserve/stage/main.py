@@ -26,11 +26,11 @@ import time
 from typing import NoReturn
 
 from pipeserve.care.health import SidePort, StageStatus
-from pipeserve.care.launcher import PARENT_ENV
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import Diverged, ExitCode, GroupStopped, ModelLoadError
 from pipeserve.lifecycle import ProcessPhase
+from pipeserve.local.launcher import PARENT_ENV
 from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.obs.logs import set_identity
 from pipeserve.obs.tracing import setup_tracing
