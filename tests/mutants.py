@@ -1119,7 +1119,7 @@ MUTANTS = [
     ),
     (
         "logprobs 21 accepted",
-        "services/pipeserve/sampling_params.py",
+        "services/pipeserve/sampling_fields.py",
         "MAX_LOGPROBS = 20",
         "MAX_LOGPROBS = 21",
         "tests/router/test_router_fanout.py -k logprobs_limit",
@@ -1243,6 +1243,34 @@ MUTANTS = [
         "from pipeserve.care.restarts import GroupObservation, StageObservation, StageState\n"
         "from pipeserve.local.launcher import free_port\n",
         "tests/test_import_graph.py -k operator_imports",
+    ),
+    (
+        "the OpenAPI document states a maximum the field list does not",
+        "services/pipeserve/router/openapi.py",
+        '        out["maximum"] = spec.maximum\n',
+        '        out["maximum"] = spec.maximum + 1\n',
+        "tests/test_sampling_fields.py -k openapi",
+    ),
+    (
+        "generate's flags forget the list's cli defaults",
+        "services/pipeserve/cli.py",
+        "            group.add_argument(flag, type=kind, default=f.flag_default, help=text)",
+        "            group.add_argument(flag, type=kind, default=f.default, help=text)",
+        "tests/test_sampling_fields.py -k generate_flags",
+    ),
+    (
+        "SamplingSpec's field order drifts from the field list",
+        "services/pipeserve/engine/plan.py",
+        "    top_k: int\n    top_p: float\n",
+        "    top_p: float\n    top_k: int\n",
+        "tests/test_sampling_fields.py -k sampling_spec",
+    ),
+    (
+        "the validator ignores the field list's bounds",
+        "services/pipeserve/sampling_params.py",
+        "not spec.in_bounds(v)",
+        "False",
+        "tests/test_sampling_fields.py -k validator",
     ),
 ]
 ROOT = pathlib.Path(__file__).resolve().parent.parent

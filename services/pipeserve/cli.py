@@ -1,7 +1,7 @@
 """`pipeserve` command line.
 
   pipeserve demo-model DIR [--arch llama|qwen2] [--layers N] [--hidden N] ...
-  pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags]
+  pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags: sampling_fields.py]
   pipeserve stage --model DIR --rank K --world-size S (--master-addr H --master-port P
                   | --rendezvous-file F) [--layer-split 0:3,3:6] [engine flags]
                   [--host H --health-port P --grpc-port P --wedge-timeout-s SEC ...]
@@ -34,6 +34,7 @@ from pipeserve.config import EngineConfig, StageServeConfig, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 from pipeserve.obs.logs import add_log_args, configure_from_args
+from pipeserve.sampling_fields import SAMPLING_FIELDS
 from pipeserve.stage_flags import add_stage_args
 
 
@@ -62,16 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
     from pipeserve import LLM, SamplingParams
     from pipeserve.model.default import default_model
 
+    # Checked before the model loads: a bad value is an error naming the field.
+    params = SamplingParams(**{f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if f.cli})
     model = args.model or str(default_model())
     llm = LLM(model, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
     start = time.perf_counter()
     outs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
@@ -137,6 +132,22 @@ def _stage(args: argparse.Namespace) -> NoReturn:
     )
 
 
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s sampling flags: one per field of the field list marked `cli` (sampling_fields.py),
+    with its type, its `cli_default` and its help and bounds."""
+    group = parser.add_argument_group("sampling", "SamplingParams' fields (sampling_fields.py)")
+    for f in SAMPLING_FIELDS:
+        if not f.cli:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{f.help} ({f.bounds_text()})" if f.bounds_text() else f.help
+        if f.type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.flag_default, help=text)
+        else:
+            kind = int if f.type in (int, int | None) else float
+            group.add_argument(flag, type=kind, default=f.flag_default, help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipeserve.bench.serving import add_bench_parser
     from pipeserve.router.standalone import add_router_parser
@@ -171,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation for a few prompts")
     g.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", action="append", required=True)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    add_sampling_args(g)
     g.add_argument("--dtype", default=None)
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.set_defaults(func=_generate)
