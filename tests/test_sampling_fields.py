@@ -27,11 +27,9 @@ from pipeserve.sampling_params import SamplingParams, default_of
 
 def test_sampling_params_has_the_lists_fields() -> None:
     hints = get_type_hints(SamplingParams)
-    got = [
-        (f.name, hints[f.name], default_of(f), f.metadata.get("wire", True)) for f in fields(SamplingParams)
-    ]
+    got = [(f.name, hints[f.name], default_of(f)) for f in fields(SamplingParams)]
     want = [
-        (s.name, s.type, list(s.default) if isinstance(s.default, tuple) else s.default, s.wire)
+        (s.name, s.type, list(s.default) if isinstance(s.default, tuple) else s.default)
         for s in SAMPLING_FIELDS
     ]
     assert got == want

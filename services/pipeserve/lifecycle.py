@@ -5,6 +5,7 @@ router sees it (from stage 0's Health status line).
                             \\________________/^   (a group stop goes straight to STOPPED)
 
 A StrEnum, so it reads and serializes as the words the side port and Health have always used.
+Not a group's restart phase (Pending, Starting, Ready, ...): that is care.restarts.GroupPhase.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ maps it to and from `pb.SamplingParams` by field name, and the engine reads it.
 Validation raises InvalidRequestError naming the field, at construction, so a
 bad request never reaches the scheduler.
 
-A field the stages' gRPC never sees (the router applies `stop`) is
-`wire=False` in the list, and marked `metadata=ROUTER_ONLY` here.
+A field stage 0 never receives (the router applies `stop`) is `wire=False` in
+the list: it has no proto field.
 
 `max_tokens=None` means "up to the context" (chat's default); it is resolved
 against the prompt by `resolve_max_tokens`, the one place where the prompt
@@ -36,7 +36,6 @@ from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, SAMPLING_FIELDS
 # temperature whose reciprocal leaves float32 would make inf/NaN probabilities.
 SAMPLING_EPS = 1e-5
 
-ROUTER_ONLY = {"wire": False}  # field metadata: applied by the router, not sent to the stages
 # The fields with numeric bounds in the list: validate checks each (an integer or a finite number).
 _RANGED = tuple(f for f in SAMPLING_FIELDS if f.minimum is not None or f.maximum is not None)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI documents no limit; keeps plans small)
@@ -50,7 +49,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list, metadata=ROUTER_ONLY)
+    stop: list[str] = field(default_factory=list)  # applied by the router (wire=False)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k

@@ -341,3 +341,5 @@ print("STS=" + json.dumps(stage_statefulset({_demo_pipeline()!r}, 0, 1), sort_ke
     assert "pipeserve.stage_flags" in loaded and "pipeserve.care.restarts" in loaded, loaded
     # Neither the CLI (its other subcommands) nor the local launch side (tests/test_import_graph.py).
     assert not {m for m in loaded if m == "pipeserve.cli" or m.startswith("pipeserve.local")}, loaded
+    # ... nor the router's libraries, which its image (docker/operator.Dockerfile) does not install.
+    assert not {m for m in loaded if m.split(".")[0] in ("fastapi", "uvicorn", "prometheus_client")}, loaded

@@ -58,7 +58,8 @@ class StageState(enum.Enum):
 
 
 class GroupPhase(enum.Enum):
-    """A group's phase, as `pipeserve up` reports it and the operator writes into status.groups[].phase."""
+    """A group's phase, as `pipeserve up` reports it and the operator writes into status.groups[].phase
+    (the restart decision's; a process's own lifecycle is lifecycle.ProcessPhase)."""
 
     PENDING = "Pending"  # never started
     STARTING = "Starting"
