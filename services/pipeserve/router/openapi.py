@@ -30,12 +30,10 @@ from typing import Any
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.router import openapi_tools
 from pipeserve.router.openapi_structured import structured_properties
-from pipeserve.router.protocol import MAX_N
+from pipeserve.router.protocol import MAX_N, PER_ENDPOINT  # each endpoint documents these its own way
 from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS, SamplingField
 from pipeserve.sampling_params import MAX_LOGIT_BIAS
 
-# As in protocol.py: each endpoint reads these its own way (structured*: router/structured.py).
-_PER_ENDPOINT = ("max_tokens", "logprobs", "structured_kind", "structured", "structured_compact")
 # A stop string's length bound that keeps any schema-valid list under the total cap.
 _STOP_ITEM_CHARS = MAX_STOP_CHARS // MAX_STOP_STRINGS
 
@@ -104,7 +102,7 @@ def sampling_field(name: str) -> dict:
 
 
 def sampling_fields() -> dict[str, dict]:
-    return {f.name: sampling_field(f.name) for f in SAMPLING_FIELDS if f.name not in _PER_ENDPOINT}
+    return {f.name: sampling_field(f.name) for f in SAMPLING_FIELDS if f.name not in PER_ENDPOINT}
 
 
 _TOKEN_IDS = {

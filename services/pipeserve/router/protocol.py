@@ -58,7 +58,7 @@ from pipeserve.sampling_params import SamplingParams, default_of
 
 _MISSING = object()
 MAX_N = 128  # choices (and best_of candidates) per prompt
-_PER_ENDPOINT = (
+PER_ENDPOINT = (
     "max_tokens",
     "logprobs",
     "structured_kind",
@@ -196,7 +196,7 @@ _HINTS = get_type_hints(SamplingParams)
 _SAMPLING_FIELDS = [
     (f.name, _READERS[_HINTS[f.name]], default_of(f))
     for f in fields(SamplingParams)
-    if f.name not in _PER_ENDPOINT
+    if f.name not in PER_ENDPOINT
 ]
 
 
