@@ -138,7 +138,7 @@ def hicache_check(model: str, prompts: list, want: list, params) -> bool:
     import shutil
 
     from pipeserve import LLM
-    from pipeserve.care.local_redis import LocalRedis
+    from pipeserve.local.redis_server import LocalRedis
 
     small = dict(device="cuda", max_model_len=256, num_kv_blocks=64, block_size=4, max_num_seqs=8)
     ok = True

@@ -7,9 +7,8 @@
 # (tests/k8s/test_images.py runs the operator's parser and builders under a Python where those
 # imports fail):
 #   kopf, kubernetes, aiohttp     the handlers, the API client, the liveness endpoint
-#   fastapi, uvicorn, httptools,  the `pipeserve stage` parser (pipeserve.cli.build_parser), which
-#   prometheus-client             checks the engine flags: the CLI's other subcommands (up, router)
-#                                 import these at module level
+# The engine flags are checked with `pipeserve stage`'s own parser (pipeserve.stage_flags: the
+# typed configs, nothing third-party), not the whole CLI: no FastAPI, uvicorn or prometheus-client.
 FROM python:3.11.13-slim-bookworm AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -19,7 +18,7 @@ COPY kernels kernels
 COPY operator operator
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install -c constraints.txt \
-      kopf kubernetes aiohttp fastapi uvicorn httptools prometheus-client \
+      kopf kubernetes aiohttp \
  && /opt/venv/bin/pip install --no-deps .
 
 FROM python:3.11.13-slim-bookworm

@@ -201,15 +201,15 @@ MUTANTS = [
     (
         "draining drops the running requests",
         "services/pipeserve/stage/engine_loop.py",
-        "                if self.phase is Phase.DRAINING and not self._active:",
-        "                if self.phase is Phase.DRAINING:",
+        "                if self.phase is ProcessPhase.DRAINING and not self._active:",
+        "                if self.phase is ProcessPhase.DRAINING:",
         "tests/stage/test_stage_server.py -k sigterm",
     ),
     (
         "stage ready before the ring is formed",
         "services/pipeserve/care/health.py",
-        "        return self.phase is Phase.READY and not self.wedged",
-        "        return self.phase is not Phase.LOADING and not self.wedged",
+        "self.phase is ProcessPhase.READY and not self.wedged and",
+        "self.phase is not ProcessPhase.LOADING and not self.wedged and",
         "tests/stage/test_stage_server.py -k readyz",
     ),
     (
@@ -701,7 +701,7 @@ MUTANTS = [
     ),
     (
         "pipeserve up imports torch",
-        "services/pipeserve/care/launcher.py",
+        "services/pipeserve/local/launcher.py",
         "if TYPE_CHECKING:  # ring.group imports torch",
         "if True:  # ring.group imports torch",
         "tests/supervisor/test_up_imports.py",
@@ -1112,7 +1112,7 @@ MUTANTS = [
     ),
     (
         "logprobs 21 accepted",
-        "services/pipeserve/sampling_params.py",
+        "services/pipeserve/sampling_fields.py",
         "MAX_LOGPROBS = 20",
         "MAX_LOGPROBS = 21",
         "tests/router/test_router_fanout.py -k logprobs_limit",
@@ -1278,6 +1278,49 @@ MUTANTS = [
         "        request_check=faults.request_check(rank),\n    )\n",
         "        request_check=faults.request_check(rank),\n    )\n    runner.tiers = tiers\n",
         "tests/test_import_graph.py -k runner_attribute",
+    ),
+    (
+        "the operator builds the whole CLI to check engine flags",
+        "operator/pipeserve_operator/resources.py",
+        "    from pipeserve.stage_flags import stage_parser\n",
+        "    from pipeserve.cli import build_parser as stage_parser\n",
+        "tests/test_import_graph.py -k operator_imports",
+    ),
+    (
+        "the operator imports the local launch side",
+        "operator/pipeserve_operator/observe.py",
+        "from pipeserve.care.restarts import GroupObservation, StageObservation, StageState\n",
+        "from pipeserve.care.restarts import GroupObservation, StageObservation, StageState\n"
+        "from pipeserve.local.launcher import free_port\n",
+        "tests/test_import_graph.py -k operator_imports",
+    ),
+    (
+        "the OpenAPI document states a maximum the field list does not",
+        "services/pipeserve/router/openapi.py",
+        '        out["maximum"] = spec.maximum\n',
+        '        out["maximum"] = spec.maximum + 1\n',
+        "tests/test_sampling_fields.py -k openapi",
+    ),
+    (
+        "generate's flags forget the list's cli defaults",
+        "services/pipeserve/cli.py",
+        "            group.add_argument(flag, type=kind, default=f.flag_default, help=text)",
+        "            group.add_argument(flag, type=kind, default=f.default, help=text)",
+        "tests/test_sampling_fields.py -k generate_flags",
+    ),
+    (
+        "SamplingSpec's field order drifts from the field list",
+        "services/pipeserve/engine/plan.py",
+        "    top_k: int\n    top_p: float\n",
+        "    top_p: float\n    top_k: int\n",
+        "tests/test_sampling_fields.py -k sampling_spec",
+    ),
+    (
+        "the validator ignores the field list's bounds",
+        "services/pipeserve/sampling_params.py",
+        "not spec.in_bounds(v)",
+        "False",
+        "tests/test_sampling_fields.py -k validator",
     ),
 ]
 

@@ -210,6 +210,16 @@ class RouterHarness:
                 if isinstance(s, ScriptedStage):
                     await s.stop()
 
+    def poll(self) -> None:
+        """Poll every group now (the tests that set a long health_interval_s drive polls themselves)."""
+        replicas = self.replicas
+        assert replicas is not None
+
+        async def poll_all() -> None:
+            await asyncio.gather(*(replicas._poll(g) for g in replicas.groups.values()))
+
+        self.run(poll_all())
+
     def run(self, coro: Coroutine, timeout_s: float = 30.0) -> Any:
         """Run a coroutine in the router's loop (grpc.aio objects belong to it)."""
         assert self.loop is not None

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import httpx
 
-from pipeserve.care.launcher import free_port
 from pipeserve.config import EngineConfig, StageServeConfig
+from pipeserve.local.launcher import free_port
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.supervisor.group import GroupSlot

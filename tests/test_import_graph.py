@@ -12,6 +12,9 @@
   an attribute on a runner after construction (`runner.x = ...`, `stage.runner.x = ...`).
 * The ring is below the stage process: `ring/` imports nothing from stage 0's front (stage),
   process care (care) or the roles above them.
+* The operator imports only the policy side of process care: nothing of the local launch side
+  (`local/`: launcher, redis-server), and not the CLI (`pipeserve stage`'s flags are
+  stage_flags.py's) — directly or through what it imports, lazily too.
 * The router needs only the tokenizer files, never the weights: it imports nothing that
   runs a model (engine, worker, model, ring, stage) — what `pipeserve router` on its own will rely on.
 * The router's and the operator's images have no torch, safetensors or transformers: no module those
@@ -34,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 # kernels/pipeserve_kernels.
 ROOTS = (REPO / "services", REPO / "operator", REPO / "kernels")
 PACKAGES = ("pipeserve", "pipeserve_operator", "pipeserve_kernels")
-ROLES = ("ring", "care", "stage", "router", "supervisor", "entrypoints", "cli")
+ROLES = ("ring", "care", "local", "stage", "router", "supervisor", "entrypoints", "cli")
 
 
 def _modules() -> dict[str, Path]:
@@ -147,7 +150,7 @@ def test_worker_sees_only_the_engine_contract() -> None:
 
 
 def test_ring_is_below_the_stage_process() -> None:
-    above = ("care", "stage", "router", "supervisor", "entrypoints", "cli")
+    above = ("care", "local", "stage", "router", "supervisor", "entrypoints", "cli")
     bad = {t for t in _imports_of("pipeserve.ring") if t.split(".")[1] in above}
     assert bad == set(), f"ring/ imports {sorted(bad)}"
 
@@ -159,6 +162,26 @@ def test_router_runs_no_model() -> None:
         if t.split(".")[1] in ("engine", "worker", "model", "ring", "stage")
     }
     assert bad == set(), f"router/ imports {sorted(bad)}"
+
+
+def reachable(graph: dict[str, set[str]], starts: set[str]) -> set[str]:
+    """Every module imported from `starts`, directly or through others (lazy imports included)."""
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for t in graph[todo.pop()] - seen:
+            seen.add(t)
+            todo.append(t)
+    return seen
+
+
+def test_operator_imports_neither_the_cli_nor_the_local_launch_side() -> None:
+    graph = import_graph()
+    loaded = reachable(graph, {m for m in graph if m.startswith("pipeserve_operator")})
+    assert "pipeserve.care.restarts" in loaded and "pipeserve.stage_flags" in loaded  # the graph sees them
+    bad = {
+        m for m in loaded if m == "pipeserve.cli" or m.startswith(("pipeserve.local", "pipeserve.supervisor"))
+    }
+    assert bad == set(), f"the operator reaches {sorted(bad)}"
 
 
 def test_the_checker_sees_a_cycle() -> None:
@@ -198,8 +221,8 @@ def test_no_runner_attribute_set_after_construction() -> None:
 # --- what the router's and the operator's processes load imports no torch at module level ---
 
 HEAVY = ("torch", "safetensors", "transformers")  # not in the router and operator images (docker/)
-# Loaded by `pipeserve router` and `pipeserve-operator` (the operator builds `pipeserve stage`'s parser
-# to check engine flags, so the whole CLI parser is in): these, every module of the two packages below,
+# Loaded by `pipeserve router` and `pipeserve-operator` (the operator builds `pipeserve stage`'s parser,
+# stage_flags.py, to check engine flags): these, every module of the two packages below,
 # and every module those packages import, lazily too.
 LIGHT_MODULES = (
     "pipeserve",
@@ -207,6 +230,7 @@ LIGHT_MODULES = (
     "pipeserve.config",
     "pipeserve.tokenizer",
     "pipeserve.care.restarts",
+    "pipeserve.stage_flags",
     "pipeserve.supervisor.up",
     "pipeserve.bench.serving",
     "pipeserve.model.demo_spec",

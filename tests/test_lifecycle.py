@@ -1,4 +1,4 @@
-"""One lifecycle vocabulary: the side port, stage 0's engine loop and the router's view use `Phase`."""
+"""One lifecycle vocabulary: the side port, stage 0's engine loop and the router's view use `ProcessPhase`."""
 
 from __future__ import annotations
 
@@ -7,23 +7,23 @@ import pytest
 from pipeserve.care.health import StageStatus
 from pipeserve.config import SupervisorConfig
 from pipeserve.errors import ConfigError
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
 
 
 def test_phase_reads_status_lines() -> None:
-    assert Phase.of_status("ready") is Phase.READY
-    assert Phase.of_status("stopped: stage 1: deadline: no frame from stage 0") is Phase.STOPPED
-    assert Phase.of_status("draining") is Phase.DRAINING
-    assert Phase.of_status("unreachable: UNAVAILABLE") is None
-    assert f"{Phase.JOINING}" == "joining"  # serialized as the words /readyz always answered
+    assert ProcessPhase.of_status("ready") is ProcessPhase.READY
+    assert ProcessPhase.of_status("stopped: stage 1: deadline: no frame from stage 0") is ProcessPhase.STOPPED
+    assert ProcessPhase.of_status("draining") is ProcessPhase.DRAINING
+    assert ProcessPhase.of_status("unreachable: UNAVAILABLE") is None
+    assert f"{ProcessPhase.JOINING}" == "joining"  # serialized as the words /readyz always answered
 
 
 def test_ready_only_in_the_ready_phase_and_while_serving() -> None:
     status = StageStatus(0, 2)
     serving = {"on": True}
     status.serving = lambda: serving["on"]
-    assert [p for p in Phase if (setattr(status, "phase", p), status.ready)[1]] == [Phase.READY]
-    status.phase = Phase.READY
+    assert [p for p in ProcessPhase if (setattr(status, "phase", p), status.ready)[1]] == [ProcessPhase.READY]
+    status.phase = ProcessPhase.READY
     serving["on"] = False  # a group stop: not ready at once
     assert not status.ready
 

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from pipeserve.care.restarts import Action, Decision, GroupRecord, Phase
+from pipeserve.care.restarts import Action, Decision, GroupPhase, GroupRecord
 from pipeserve_operator.kube import Kube
 from pipeserve_operator.observe import pod_generation, pod_rank
 from pipeserve_operator.resources import GENERATION_LABEL, group_endpoint, group_name
@@ -65,7 +65,7 @@ async def post_event(kube: Kube, body: Any, type_: str, reason: str, message: st
 
 def doomed(pods: list[dict[str, Any]], decision: Decision) -> list[dict[str, Any]]:
     """The pods to delete now: every stale rank's pod (all of them on RESTART/FAIL), unless already going."""
-    stopping = decision.record.phase in (Phase.RESTARTING, Phase.FAILED)
+    stopping = decision.record.phase in (GroupPhase.RESTARTING, GroupPhase.FAILED)
     return [
         p
         for p in pods
@@ -114,7 +114,7 @@ def group_status(
         "phase": phase,
         "generation": record.generation,
         "restarts": record.restarts,
-        "ready": record.phase is Phase.READY,
+        "ready": record.phase is GroupPhase.READY,
         "endpoint": group_endpoint(body, index),
         "lastFailure": record.last_failure,
         "since": since or rfc3339(now),
@@ -128,6 +128,6 @@ def load_record(entry: dict[str, Any] | None, spec_hash: str) -> GroupRecord:
     if not data:
         return GroupRecord()
     record = GroupRecord.from_json(data)
-    if record.phase is Phase.FAILED and data.get("specHash") != spec_hash:
+    if record.phase is GroupPhase.FAILED and data.get("specHash") != spec_hash:
         return GroupRecord(generation=record.generation, restarts=record.restarts)
     return record

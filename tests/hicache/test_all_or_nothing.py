@@ -21,11 +21,11 @@ import torch
 from conftest import hf_greedy
 from hicache_support import GREEDY, TIGHT, assert_no_leaks, family_prompts, run_llm, stage_keys, tier_stats
 from pipeserve import LLM
-from pipeserve.care.local_redis import LocalRedis
 from pipeserve.engine.plan import LoadOrder, StepPlan
 from pipeserve.hicache.page import HEADER_BYTES, PageLayout
 from pipeserve.hicache.redis_tier import RedisTier
 from pipeserve.hicache.stage_tiers import StageTiers
+from pipeserve.local.redis_server import LocalRedis
 from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.ring.faults import ENV as FAULTS_ENV
 from serving_support import wait_until

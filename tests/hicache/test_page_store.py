@@ -13,9 +13,9 @@ import redis
 import torch
 from redis.cluster import key_slot
 
-from pipeserve.care.local_redis import LocalRedis, cluster_create
 from pipeserve.hicache.page import HEADER_BYTES, PageError, PageLayout, decode_page, encode_page
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
+from pipeserve.local.redis_server import LocalRedis, cluster_create
 
 
 def layouts(fingerprint: str = "fp0", split: tuple[int, ...] = (0, 2, 4, 6)) -> list[PageLayout]:

@@ -13,7 +13,7 @@ import redis
 
 from conftest import hf_greedy
 from hicache_support import family_prompts, run_llm
-from pipeserve.care.local_redis import LocalRedis, cluster_create
+from pipeserve.local.redis_server import LocalRedis, cluster_create
 
 L3_ONLY = dict(host_cache_gb=0, hicache_load_base_ms=0, hicache_load_per_block_ms=200)
 

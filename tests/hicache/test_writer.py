@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from pipeserve.care.local_redis import LocalRedis
 from pipeserve.hicache.page import HEADER_BYTES, PageLayout
 from pipeserve.hicache.redis_tier import RedisTier
 from pipeserve.hicache.writer import PageWriter
+from pipeserve.local.redis_server import LocalRedis
 
 LAYOUT = PageLayout("fpw", 0, 0, 2, block_size=4, kv_heads=2, head_dim=8, dtype=torch.float32)
 

@@ -29,8 +29,8 @@ import httpx
 import pytest
 from chart_support import ROOT, Tools, k8s_tools
 
-from pipeserve.care.launcher import free_port
 from pipeserve.cli import build_parser
+from pipeserve.local.launcher import free_port
 from pipeserve_operator.main import build_parser as operator_parser
 from pipeserve_operator.resources import stage_statefulset
 from serving_support import wait_http
@@ -210,7 +210,7 @@ atexit.register(_report)
 """
 # What runs a model: none of it may load in the router or the operator (tests/test_import_graph.py
 # checks the same from the source).
-MODEL_MODULES = (
+MODEL_MODULES = (  # these packages and their modules (pipeserve.stage_flags is not one)
     "pipeserve.engine",
     "pipeserve.model.",
     "pipeserve.ring",
@@ -232,7 +232,12 @@ def _no_torch(code: str, tmp: Path) -> tuple[list[str], dict[str, str], Path]:
 def _loaded(report: Path) -> list[str]:
     got = json.loads(report.read_text())
     assert all(got["blocked"].values()), f"something undid the block: {got['blocked']}"
-    heavy = [m for m in got["loaded"] if m.startswith(MODEL_MODULES) and m != "pipeserve.model.demo_spec"]
+    heavy = [
+        m
+        for m in got["loaded"]
+        if any(m == p or m.startswith(p.rstrip(".") + ".") for p in MODEL_MODULES)
+        and m != "pipeserve.model.demo_spec"
+    ]
     assert heavy == [], f"model modules loaded without torch: {heavy}"
     return got["loaded"]
 
@@ -333,4 +338,8 @@ print("STS=" + json.dumps(stage_statefulset({_demo_pipeline()!r}, 0, 1), sort_ke
     assert "usage: pipeserve-operator" in r.stdout, r.stdout[-2000:]
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("STS=")]
     assert json.loads(line[4:]) == stage_statefulset(_demo_pipeline(), 0, 1)  # the same as with torch
-    assert "pipeserve.cli" in loaded and "pipeserve.care.restarts" in loaded, loaded
+    assert "pipeserve.stage_flags" in loaded and "pipeserve.care.restarts" in loaded, loaded
+    # Neither the CLI (its other subcommands) nor the local launch side (tests/test_import_graph.py).
+    assert not {m for m in loaded if m == "pipeserve.cli" or m.startswith("pipeserve.local")}, loaded
+    # ... nor the router's libraries, which its image (docker/operator.Dockerfile) does not install.
+    assert not {m for m in loaded if m.split(".")[0] in ("fastapi", "uvicorn", "prometheus_client")}, loaded

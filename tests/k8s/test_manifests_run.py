@@ -28,7 +28,7 @@ import httpx
 import pytest
 from chart_support import k8s_tools
 
-from pipeserve.care.launcher import free_port
+from pipeserve.local.launcher import free_port
 from pipeserve_operator.resources import stage_statefulset
 from serving_support import wait_http, wait_until
 

@@ -24,10 +24,10 @@ import httpx
 import pytest
 import torch
 
-from pipeserve.care.launcher import LocalGroup, free_port
 from pipeserve.cli import build_parser
 from pipeserve.config import EngineConfig
 from pipeserve.errors import ConfigError
+from pipeserve.local.launcher import LocalGroup, free_port
 from pipeserve.obs import logs
 from pipeserve.obs.logs import JsonFormatter, configure_logging, request_context, set_identity
 from pipeserve.obs.ratelimit import RateLimitedLog

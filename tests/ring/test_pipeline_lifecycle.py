@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from pipeline_support import stage_processes, wait_dead
 from pipeserve import LLM
-from pipeserve.care.launcher import LocalGroup
 from pipeserve.errors import ConfigError, ModelLoadError
+from pipeserve.local.launcher import LocalGroup
 
 DRIVER = textwrap.dedent(
     """

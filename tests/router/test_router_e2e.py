@@ -37,12 +37,12 @@ def slots(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 @pytest.fixture(scope="module")
 def router(llama_dir: Path, slots: dict[str, GroupSlot]) -> Iterator[RouterHarness]:
     targets = {name: s.grpc_target for name, s in slots.items()}
-    # Polls are driven by the tests (poll_once), so a killed group is still routable when
+    # Polls are driven by the tests (RouterHarness.poll), so a killed group is still routable when
     # the next request picks it: that request must take the retry path.
     with RouterHarness(
         llama_dir, targets, wait_ready=0, api_key=KEY, served_model_name="demo", health_interval_s=3600
     ) as h:
-        h.run(h.replicas.poll_once())
+        h.poll()
         assert len(h.call(h.replicas.ready_groups)) == 2
         yield h
 
@@ -176,7 +176,7 @@ def test_killed_group_is_retried_elsewhere_then_503_when_none_is_left(
     assert after == before + 1  # the failure marked g0 unready: only one request paid a retry
     assert [g["ready"] for g in router.call(router.replicas.snapshot)] == [False, True]
     slots["g1"].kill(grace_s=5.0)
-    router.run(router.replicas.poll_once())
+    router.poll()
     with pytest.raises(openai.InternalServerError) as err:
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
     assert err.value.status_code == 503

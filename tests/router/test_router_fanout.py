@@ -21,7 +21,7 @@ import torch
 from conftest import hf_logits
 from pipeserve.config import EngineConfig
 from pipeserve.rpc import generation_pb2 as pb
-from pipeserve.sampling_params import MAX_LOGPROBS
+from pipeserve.sampling_fields import MAX_LOGPROBS
 from pipeserve.supervisor.group import GroupSlot
 from pipeserve.tokenizer import TokenizerAssets
 from router_support import RouterHarness

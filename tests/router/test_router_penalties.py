@@ -41,7 +41,7 @@ def router(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         with RouterHarness(
             llama_dir, targets, wait_ready=0, api_key=KEY, served_model_name="demo", health_interval_s=3600
         ) as h:
-            h.run(h.replicas.poll_once())
+            h.poll()
             yield h
 
 

@@ -78,6 +78,6 @@ def test_a_request_that_kills_its_group_is_not_carried_to_another(
     assert len(dead) == 1, f"the poison reached {dead}"
     assert _retries(router) == 0
     alive = next(n for n in slots if n not in dead)
-    router.run(router.replicas.poll_once())
+    router.poll()
     assert [g.name for g in router.call(router.replicas.ready_groups)] == [alive]
     assert _complete(router, [5, 6, 9]).status_code == 200

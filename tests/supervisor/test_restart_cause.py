@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeserve.care.restarts import GroupObservation, Phase, StageObservation, StageState
+from pipeserve.care.restarts import GroupObservation, GroupPhase, StageObservation, StageState
 from pipeserve.errors import ExitCode
 from pipeserve.supervisor.supervisor import RESTART_CAUSES, UNANSWERED, restart_cause
 
@@ -19,28 +19,32 @@ def _exited(rank: int, code: int | None) -> StageObservation:
 @pytest.mark.parametrize(
     ("stages", "phase", "cause"),
     [
-        ((RUNNING, _exited(1, ExitCode.GROUP_STOP)), Phase.READY, "group_stop"),
-        ((RUNNING, _exited(1, ExitCode.WEDGED)), Phase.READY, "wedged"),
-        ((RUNNING, _exited(1, ExitCode.INTERNAL_ERROR)), Phase.READY, "internal_error"),
-        ((_exited(0, ExitCode.CANNOT_START),), Phase.STARTING, "cannot_start"),
-        ((RUNNING, _exited(1, -9)), Phase.READY, "killed"),
-        ((RUNNING, _exited(1, 0)), Phase.READY, "exited"),
-        ((RUNNING, _exited(1, None)), Phase.READY, "exited"),
+        ((RUNNING, _exited(1, ExitCode.GROUP_STOP)), GroupPhase.READY, "group_stop"),
+        ((RUNNING, _exited(1, ExitCode.WEDGED)), GroupPhase.READY, "wedged"),
+        ((RUNNING, _exited(1, ExitCode.INTERNAL_ERROR)), GroupPhase.READY, "internal_error"),
+        ((_exited(0, ExitCode.CANNOT_START),), GroupPhase.STARTING, "cannot_start"),
+        ((RUNNING, _exited(1, -9)), GroupPhase.READY, "killed"),
+        ((RUNNING, _exited(1, 0)), GroupPhase.READY, "exited"),
+        ((RUNNING, _exited(1, None)), GroupPhase.READY, "exited"),
         # The lowest rank decides, as in decide(): stage 0 stopped the group after stage 1 was killed.
-        ((_exited(1, -9), _exited(0, ExitCode.GROUP_STOP)), Phase.READY, "group_stop"),
+        ((_exited(1, -9), _exited(0, ExitCode.GROUP_STOP)), GroupPhase.READY, "group_stop"),
         # A divergence names the cause at any rank: the lower ranks only followed the detector's stop.
-        ((_exited(0, ExitCode.GROUP_STOP), _exited(2, ExitCode.DIVERGED)), Phase.READY, "diverged"),
-        ((RUNNING, _exited(1, ExitCode.DIVERGED)), Phase.READY, "diverged"),
-        ((StageObservation(rank=0, generation=1, wedged="stage 0: no progress"),), Phase.READY, "wedged"),
+        ((_exited(0, ExitCode.GROUP_STOP), _exited(2, ExitCode.DIVERGED)), GroupPhase.READY, "diverged"),
+        ((RUNNING, _exited(1, ExitCode.DIVERGED)), GroupPhase.READY, "diverged"),
+        (
+            (StageObservation(rank=0, generation=1, wedged="stage 0: no progress"),),
+            GroupPhase.READY,
+            "wedged",
+        ),
         (
             (StageObservation(rank=1, generation=1, wedged=f"{UNANSWERED} for 9s"),),
-            Phase.READY,
+            GroupPhase.READY,
             "unresponsive",
         ),
-        ((RUNNING,), Phase.STARTING, "startup_deadline"),
-        ((), Phase.READY, "exited"),
+        ((RUNNING,), GroupPhase.STARTING, "startup_deadline"),
+        ((), GroupPhase.READY, "exited"),
     ],
 )
-def test_restart_cause(stages: tuple[StageObservation, ...], phase: Phase, cause: str) -> None:
+def test_restart_cause(stages: tuple[StageObservation, ...], phase: GroupPhase, cause: str) -> None:
     assert cause in RESTART_CAUSES
     assert restart_cause(GroupObservation(2, stages), phase) == cause

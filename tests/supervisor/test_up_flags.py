@@ -89,9 +89,9 @@ def test_every_config_field_is_a_flag_of_up(llama_dir: Path) -> None:
     assert configs.router.model == configs.engine.model == str(llama_dir)
 
 
-def test_the_older_spellings_and_the_environment(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_timeouts_and_the_environment(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPESERVE_API_KEY", "from-env")
-    old = ["--wedge-timeout", "7", "--wedge-grace", "2", "--drain-timeout", "9"]
+    old = ["--wedge-timeout-s", "7", "--wedge-grace-s", "2", "--drain-timeout-s", "9"]
     configs = build_configs(build_parser().parse_args(["up", "--model", str(llama_dir), *old]))
     assert (configs.serve.wedge_timeout_s, configs.serve.wedge_grace_s, configs.serve.drain_timeout_s) == (
         7.0,

@@ -9,8 +9,8 @@ import sys
 UP_PATH = (
     "pipeserve.cli",
     "pipeserve.supervisor.up",
-    "pipeserve.care.launcher",
-    "pipeserve.care.local_redis",
+    "pipeserve.local.launcher",
+    "pipeserve.local.redis_server",
     "pipeserve.model.default",
     "pipeserve.router.app",
     "pipeserve.router.replicas",

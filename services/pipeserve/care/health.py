@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pipeserve.care.wedge import WedgeDetector
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class StageStatus:
 
     rank: int
     world_size: int
-    phase: Phase = Phase.LOADING
+    phase: ProcessPhase = ProcessPhase.LOADING
     detector: WedgeDetector | None = None
     # Stage 0: whether its engine loop accepts requests (not after a group stop or while draining).
     serving: Callable[[], bool] | None = None
@@ -63,7 +63,9 @@ class StageStatus:
     @property
     def ready(self) -> bool:
         """What /readyz and stage 0's Health both answer."""
-        return self.phase is Phase.READY and not self.wedged and (self.serving is None or self.serving())
+        return (
+            self.phase is ProcessPhase.READY and not self.wedged and (self.serving is None or self.serving())
+        )
 
     @property
     def wedged(self) -> bool:

@@ -57,8 +57,9 @@ class StageState(enum.Enum):
     EXITED = "exited"  # the process ended; the pod Failed or Succeeded
 
 
-class Phase(enum.Enum):
-    """A group's phase, as `pipeserve up` reports it and the operator writes into status.groups[].phase."""
+class GroupPhase(enum.Enum):
+    """A group's phase, as `pipeserve up` reports it and the operator writes into status.groups[].phase
+    (the restart decision's; a process's own lifecycle is lifecycle.ProcessPhase)."""
 
     PENDING = "Pending"  # never started
     STARTING = "Starting"
@@ -125,7 +126,7 @@ class GroupRecord:
     """What the caller keeps between calls (the operator: in status; plain JSON-able fields)."""
 
     generation: int = 0  # the incarnation to stamp on stages (0: none started yet)
-    phase: Phase = Phase.PENDING
+    phase: GroupPhase = GroupPhase.PENDING
     started_at: float = 0.0  # START of this generation, or when a Ready group stopped being ready
     ready_at: float | None = None  # when this generation became Ready
     ever_ready: bool = False  # any generation was ever Ready (a fatal exit after that is not fatal)
@@ -136,14 +137,16 @@ class GroupRecord:
     last_failure: str = ""
 
     def to_json(self) -> dict:
-        return {f.name: (v.value if isinstance(v := getattr(self, f.name), Phase) else v) for f in _FIELDS}
+        return {
+            f.name: (v.value if isinstance(v := getattr(self, f.name), GroupPhase) else v) for f in _FIELDS
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> GroupRecord:
         known = {f.name for f in _FIELDS}
         values = {k: v for k, v in data.items() if k in known}
         if "phase" in values:
-            values["phase"] = Phase(values["phase"])
+            values["phase"] = GroupPhase(values["phase"])
         return cls(**values)
 
 
@@ -159,28 +162,30 @@ class Decision:
     delay_s: float = 0.0  # RESTART: the backoff before the next START
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> GroupPhase:
         return self.record.phase
 
     @property
     def ready(self) -> bool:
-        return self.record.phase is Phase.READY
+        return self.record.phase is GroupPhase.READY
 
 
 def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, now: float) -> Decision:
     current = {s.rank: s for s in obs.stages if s.generation == record.generation}
     stale = tuple(sorted({s.rank for s in obs.stages if s.generation != record.generation}))
     phase = record.phase
-    if phase is Phase.FAILED:
+    if phase is GroupPhase.FAILED:
         return Decision(Action.NONE, record, record.last_failure, stale)
-    if phase is Phase.PENDING:
-        started = _replace(record, generation=record.generation + 1, phase=Phase.STARTING, started_at=now)
+    if phase is GroupPhase.PENDING:
+        started = _replace(
+            record, generation=record.generation + 1, phase=GroupPhase.STARTING, started_at=now
+        )
         return Decision(Action.START, started, "first start", stale)
-    if phase is Phase.RESTARTING:
+    if phase is GroupPhase.RESTARTING:
         # Stages of the stopped incarnation are stale now (the record names the next generation).
         if now < record.restart_at:
             return Decision(Action.NONE, record, record.last_failure, _all_ranks(obs))
-        started = _replace(record, phase=Phase.STARTING, started_at=now, ready_at=None)
+        started = _replace(record, phase=GroupPhase.STARTING, started_at=now, ready_at=None)
         return Decision(Action.START, started, f"restart {record.restarts}", _all_ranks(obs))
 
     # STARTING or READY: only the current generation's stages count.
@@ -188,7 +193,7 @@ def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, no
     if failure:
         fail = fatal or (policy.max_restarts is not None and record.restarts >= policy.max_restarts)
         if fail:
-            failed = _replace(record, phase=Phase.FAILED, last_failure=failure, ready_at=None)
+            failed = _replace(record, phase=GroupPhase.FAILED, last_failure=failure, ready_at=None)
             return Decision(Action.FAIL, failed, failure, _all_ranks(obs))
         return _restart(record, obs, policy, now, failure)
 
@@ -196,8 +201,8 @@ def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, no
         s.state is StageState.RUNNING and s.ready for s in current.values()
     )
     if all_ready:
-        if phase is Phase.STARTING:
-            ready = _replace(record, phase=Phase.READY, ready_at=now, ever_ready=True)
+        if phase is GroupPhase.STARTING:
+            ready = _replace(record, phase=GroupPhase.READY, ready_at=now, ever_ready=True)
             return Decision(Action.NONE, ready, "ready", stale)
         if obs.may_roll and any(s.outdated for s in current.values()):
             rolled = _stop_generation(record, rollouts=record.rollouts + 1, restart_at=now)
@@ -206,10 +211,10 @@ def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, no
             if record.failures_in_a_row:
                 record = _replace(record, failures_in_a_row=0)
         return Decision(Action.NONE, record, "", stale)
-    if phase is Phase.READY:
+    if phase is GroupPhase.READY:
         # A stage stopped being ready (draining, a readiness probe failing): out of routing, and a fresh
         # deadline to come back before the group is restarted.
-        unready = _replace(record, phase=Phase.STARTING, started_at=now, ready_at=None)
+        unready = _replace(record, phase=GroupPhase.STARTING, started_at=now, ready_at=None)
         return Decision(Action.NONE, unready, "a stage is not ready", stale)
     if now - record.started_at > policy.startup_deadline_s:
         return _restart(record, obs, policy, now, f"not ready {now - record.started_at:.0f}s after start")
@@ -219,7 +224,7 @@ def decide(record: GroupRecord, obs: GroupObservation, policy: RestartPolicy, no
 def _failure(
     current: dict[int, StageObservation],
     world_size: int,
-    phase: Phase,
+    phase: GroupPhase,
     record: GroupRecord,
     policy: RestartPolicy,
 ) -> tuple[str, bool]:
@@ -227,7 +232,7 @@ def _failure(
     for rank in range(world_size):
         s = current.get(rank)
         if s is None:
-            if phase is Phase.READY:
+            if phase is GroupPhase.READY:
                 return f"stage {rank} is gone", False
             continue  # a starting group's pods may not exist yet: the startup deadline covers it
         if s.state is StageState.EXITED or s.restarts > 0:
@@ -242,7 +247,7 @@ def _failure(
             return f"stage {rank} is wedged: {s.wedged}", False
         if s.deleting:
             return f"stage {rank}'s pod is being deleted", False
-        if phase is Phase.READY and s.state is StageState.PENDING:
+        if phase is GroupPhase.READY and s.state is StageState.PENDING:
             # Recreated under the same generation (deleted and replaced between two looks): it cannot
             # join the running group's communicator.
             return f"stage {rank} was replaced", False
@@ -266,7 +271,7 @@ def _restart(
 def _stop_generation(record: GroupRecord, **changes: object) -> GroupRecord:
     """The record once the current generation's pods are to go: the next one is what counts from now."""
     nxt = record.generation + 1
-    return _replace(record, generation=nxt, phase=Phase.RESTARTING, ready_at=None, **changes)
+    return _replace(record, generation=nxt, phase=GroupPhase.RESTARTING, ready_at=None, **changes)
 
 
 def _all_ranks(obs: GroupObservation) -> tuple[int, ...]:
@@ -286,7 +291,7 @@ class FleetGroup:
     """One group of a fleet as the fleet rules see it."""
 
     index: int
-    phase: Phase
+    phase: GroupPhase
     outdated: bool = False  # its stages run an older spec than the caller now wants
     surge: bool = False  # it was started as a rollout's surge group (not a group left by a scale-down)
 
@@ -304,7 +309,7 @@ def max_surge(replicas: int, requested: int | None) -> int:
 def may_roll(index: int, fleet: list[FleetGroup]) -> bool:
     """Group `index` may be taken down for a planned restart now: every other group (a surge group
     included) is Ready, so capacity drops by one group at most and some group always serves."""
-    return all(g.phase is Phase.READY for g in fleet if g.index != index)
+    return all(g.phase is GroupPhase.READY for g in fleet if g.index != index)
 
 
 def want_surge(replicas: int, surge: int, fleet: list[FleetGroup]) -> bool:
@@ -317,4 +322,4 @@ def want_surge(replicas: int, surge: int, fleet: list[FleetGroup]) -> bool:
     surging = any(g.surge and g.index >= replicas for g in fleet)
     if any(g.outdated for g in regular):
         return True
-    return surging and any(g.phase is not Phase.READY for g in regular)
+    return surging and any(g.phase is not GroupPhase.READY for g in regular)

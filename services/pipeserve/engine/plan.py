@@ -25,6 +25,9 @@ from msgspec import UNSET, UnsetType
 
 
 class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
+    """What a stage's sampler needs of a request: the field list's `stage` fields, in its order
+    (sampling_fields.STAGE_FIELDS), then STAGE_DERIVED; tests/test_sampling_fields.py compares them."""
+
     temperature: float
     top_k: int
     top_p: float

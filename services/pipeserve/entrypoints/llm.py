@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self, cast
 
-from pipeserve.care.launcher import LocalGroup, local_group_config
-from pipeserve.care.local_redis import LocalRedis
 from pipeserve.config import EngineConfig
 from pipeserve.detokenize import TextStream
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import GroupStopped, InvalidRequestError
+from pipeserve.local.launcher import LocalGroup, local_group_config
+from pipeserve.local.redis_server import LocalRedis
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
 from pipeserve.ring.build import layer_split

@@ -2,4 +2,4 @@
 of one model and layer split: `page` (the key and the bytes of one stage's part of one block),
 `redis_tier` (the client: store, presence for every stage in one round trip, load with checks),
 `writer` (a stage's asynchronous stores through a bounded queue),
-`local_redis` (a private redis-server for one machine)."""
+a private redis-server for one machine is `pipeserve.local.redis_server`."""

@@ -5,7 +5,7 @@
 
 `configure_logging` installs one handler on the root logger (sys.stderr) and exports the chosen format
 and level into the environment, so every process `pipeserve up` or `LLM(stages=S)` spawns (they
-inherit the parent's environment: care/launcher.py) logs the same way. A stage process then names
+inherit the parent's environment: local/launcher.py) logs the same way. A stage process then names
 itself with `set_identity(group, stage)`; a request handler binds the request id for the code it
 calls with `request_context(req_id)` (a contextvar: it follows asyncio tasks and is per thread), or a
 log call passes `extra={"request_id": ...}` itself (the engine loop serves many requests on one

@@ -29,7 +29,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from pipeserve.router.responses import ChoiceResult
-from pipeserve.sampling_params import MAX_SEED, SamplingParams
+from pipeserve.sampling_fields import MAX_SEED
+from pipeserve.sampling_params import SamplingParams
 
 
 def candidate_params(params: SamplingParams, j: int, best_of: int, n: int) -> SamplingParams:

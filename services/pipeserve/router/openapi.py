@@ -8,11 +8,13 @@ the authority; this module documents it and must never contradict it:
   vocabulary, max_concurrency for a batch of prompts) is said in the
   descriptions, not in the schema: such a request may still be refused with a
   400 (404 for an unknown model) naming the field.
-* The sampling fields are generated from `SamplingParams` (its annotations
-  and defaults), so a new sampling field appears here by itself; `_RANGES`
-  adds the bounds `SamplingParams.validate` enforces (tests/
-  test_openapi_schema.py checks each bound against the validator). A field
-  whose type has no entry in `_TYPES` fails at import, as in protocol.py.
+* The sampling fields are generated from the one field list (sampling_fields.py:
+  type, default, bounds, help), so a new sampling field appears here by itself
+  with the bounds `SamplingParams.validate` enforces (tests/test_sampling_fields.py
+  compares them with the list, tests/router/test_openapi_schema.py each bound
+  with the validator); `_SHAPES` adds what is not a numeric bound (stop's
+  lengths, logit_bias's size). A field whose type has no entry in `_TYPES`
+  fails at import, as in protocol.py.
 * JSON null means "not given" for every optional field, so each is nullable.
 * Fields the engine does not implement are described by the one value they
   may take (tools empty...): any other is a 400. Cross-field rules
@@ -23,24 +25,15 @@ the authority; this module documents it and must never contradict it:
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any, get_type_hints
+from typing import Any
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.router import openapi_tools
 from pipeserve.router.openapi_structured import structured_properties
-from pipeserve.router.protocol import MAX_N
-from pipeserve.sampling_params import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_SEED,
-    MAX_TOP_K,
-    SamplingParams,
-    default_of,
-)
+from pipeserve.router.protocol import MAX_N, PER_ENDPOINT  # each endpoint documents these its own way
+from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS, SamplingField
+from pipeserve.sampling_params import MAX_LOGIT_BIAS
 
-# As in protocol.py: each endpoint reads these its own way (structured*: router/structured.py).
-_PER_ENDPOINT = ("max_tokens", "logprobs", "structured_kind", "structured", "structured_compact")
 # A stop string's length bound that keeps any schema-valid list under the total cap.
 _STOP_ITEM_CHARS = MAX_STOP_CHARS // MAX_STOP_STRINGS
 
@@ -58,20 +51,7 @@ _TYPES: dict[Any, dict] = {
         "additionalProperties": {"type": "number"},
     },
 }
-_RANGES: dict[str, dict] = {
-    "max_tokens": {"minimum": 1},
-    "temperature": {"minimum": 0, "description": "below 1e-5: greedy"},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": -1, "maximum": MAX_TOP_K, "description": "-1 or 0: off"},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "seed": {"minimum": 0, "maximum": MAX_SEED},
-    "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-    "prompt_logprobs": {
-        "minimum": 0,
-        "maximum": MAX_LOGPROBS,
-        "description": "vLLM's extension: each prompt token's logprob, rank and the top k there "
-        "(completions: per choice; chat: top level; streamed in the first chunk); no prefix-cache hit",
-    },
+_SHAPES: dict[str, dict] = {
     "stop": {
         "description": f"at most {MAX_STOP_STRINGS} non-empty strings of {MAX_STOP_CHARS} characters in all",
         "anyOf": [
@@ -83,19 +63,22 @@ _RANGES: dict[str, dict] = {
         "items": {"type": "integer", "minimum": 0},
         "description": "token ids in the model's vocabulary",
     },
-    "presence_penalty": {"minimum": -2, "maximum": 2, "description": "over the output tokens so far"},
-    "frequency_penalty": {"minimum": -2, "maximum": 2, "description": "x each output token's count"},
-    "repetition_penalty": {"exclusiveMinimum": 0, "description": "over prompt and output tokens; 1: off"},
     "logit_bias": {
         "maxProperties": MAX_LOGIT_BIAS,
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "description": "token id (in the model's vocabulary) -> bias added to its logit",
     },
-    "min_tokens": {
-        "minimum": 0,
-        "description": "no EOS, stop_token_ids or stop string before this many tokens; <= max_tokens",
-    },
 }
+
+
+def bounds(spec: SamplingField) -> dict:
+    """A field's numeric bounds from the field list, as JSON Schema says them."""
+    out: dict[str, Any] = {}
+    if spec.minimum is not None:
+        out["exclusiveMinimum" if spec.exclusive_minimum else "minimum"] = spec.minimum
+    if spec.maximum is not None:
+        out["maximum"] = spec.maximum
+    return out
 
 
 def nullable(schema: dict) -> dict:
@@ -108,18 +91,18 @@ def _only(value: Any, kind: str, what: str = "not supported") -> dict:
 
 
 def sampling_field(name: str) -> dict:
-    """The schema of one SamplingParams field: its JSON type, default and validated range."""
-    hint = get_type_hints(SamplingParams)[name]
-    spec = next(f for f in fields(SamplingParams) if f.name == name)
-    default = default_of(spec)
-    schema = {**_TYPES[hint], **_RANGES.get(name, {})}
-    if "items" in schema and "items" in _TYPES[hint]:
-        schema["items"] = {**_TYPES[hint]["items"], **schema["items"]}
+    """The schema of one sampling field: its JSON type, default, validated range and help."""
+    spec = FIELDS[name]
+    help_text = {"description": spec.help} if spec.help else {}
+    schema = {**_TYPES[spec.type], **help_text, **bounds(spec), **_SHAPES.get(name, {})}
+    if "items" in schema and "items" in _TYPES[spec.type]:
+        schema["items"] = {**_TYPES[spec.type]["items"], **schema["items"]}
+    default = list(spec.default) if isinstance(spec.default, tuple) else spec.default
     return {**nullable(schema), "default": default}
 
 
 def sampling_fields() -> dict[str, dict]:
-    return {f.name: sampling_field(f.name) for f in fields(SamplingParams) if f.name not in _PER_ENDPOINT}
+    return {f.name: sampling_field(f.name) for f in SAMPLING_FIELDS if f.name not in PER_ENDPOINT}
 
 
 _TOKEN_IDS = {
@@ -177,7 +160,7 @@ def completion_request() -> dict:
         "prompt": prompt,
         **_COMMON,
         **sampling_fields(),
-        "max_tokens": sampling_field("max_tokens") | {"default": 16},
+        "max_tokens": sampling_field("max_tokens") | {"default": DEFAULT_MAX_TOKENS},
         "logprobs": sampling_field("logprobs"),
         "add_special_tokens": nullable({"type": "boolean", "default": True}),
         "echo": nullable(
@@ -241,7 +224,7 @@ def chat_request() -> dict:
         "max_completion_tokens": {**max_tokens, "description": "overrides max_tokens; default: the context"},
         "logprobs": nullable({"type": "boolean", "default": False}),
         "top_logprobs": nullable(
-            {"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs"}
+            {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description": "needs logprobs"}
         ),
         "add_special_tokens": nullable({"type": "boolean", "default": False}),
         **structured_properties(),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
 
 AFFINITY_TOKENS = 16  # one KV block of the default block size: the prefix a group may have cached
 
@@ -38,7 +38,7 @@ class GroupState:
     target: str
     ready: bool = False
     status: str = "unknown"
-    phase: Phase | None = None  # what stage 0's Health status names; None: unreachable or not said
+    phase: ProcessPhase | None = None  # what stage 0's Health status names; None: unreachable or not said
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0

@@ -53,11 +53,12 @@ from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
 from pipeserve.router.structured import StructuredSpec, parse_structured, sampling_fields
 from pipeserve.router.tools import NO_TOOLS, ToolsSpec, forced_schema, message_fields, parse_tools
-from pipeserve.sampling_params import MAX_LOGPROBS, SamplingParams, default_of
+from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
+from pipeserve.sampling_params import SamplingParams, default_of
 
 _MISSING = object()
 MAX_N = 128  # choices (and best_of candidates) per prompt
-_PER_ENDPOINT = (
+PER_ENDPOINT = (
     "max_tokens",
     "logprobs",
     "structured_kind",
@@ -195,7 +196,7 @@ _HINTS = get_type_hints(SamplingParams)
 _SAMPLING_FIELDS = [
     (f.name, _READERS[_HINTS[f.name]], default_of(f))
     for f in fields(SamplingParams)
-    if f.name not in _PER_ENDPOINT
+    if f.name not in PER_ENDPOINT
 ]
 
 
@@ -322,7 +323,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
     structured = parse_structured(body)
-    max_tokens = _int(body, "max_tokens", 16)
+    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
     zero = echo and max_tokens == 0  # the prompt scored alone (vLLM): one token asked, then dropped
     logprobs = _int(body, "logprobs", None)
     params = _sampling(body, 1 if zero else max_tokens, "max_tokens", logprobs, structured)

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import ConfigError
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
 from pipeserve.router import policy
 from pipeserve.router.metrics import GroupMetrics
 from pipeserve.router.policy import GroupState
@@ -206,10 +206,6 @@ class ReplicaSet:
             await link.channel.close(grace=None)
         link.channel = link.stub = link.poller = link.closer = None
 
-    async def poll_once(self) -> None:
-        """Poll every group now (start-up, tests); the background pollers keep running."""
-        await asyncio.gather(*(self._poll(g) for g in self.groups.values()))
-
     async def wait_ready(self, count: int = 1, timeout_s: float = 60.0) -> bool:
         """True once at least `count` groups are routable; False after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
@@ -358,7 +354,7 @@ class ReplicaSet:
             g.polled_at = time.monotonic()
             g.ready = health.ready and health.max_model_len > 0
             g.status = health.status or ("ready" if health.ready else "not ready")
-            g.phase = Phase.of_status(g.status)
+            g.phase = ProcessPhase.of_status(g.status)
             g.max_model_len = health.max_model_len or g.max_model_len
             g.vocab_size = health.vocab_size or g.vocab_size
             g.seconds_since_token = health.seconds_since_token

@@ -1,16 +1,17 @@
 """SamplingParams <-> pb.SamplingParams, both ways, by field name.
 
 The router builds the GenerateRequest with `sampling_to_proto`; stage 0 reads
-it with `sampling_from_proto`. Both walk the dataclass fields, so a field
-added to SamplingParams and to generation.proto under the same name travels
-without an edit here. Fields marked ROUTER_ONLY (`stop`) are not sent.
+it with `sampling_from_proto`. Both walk the field list's `wire` fields
+(sampling_fields.py), so a field added there, to SamplingParams and to
+generation.proto under the same name travels without an edit here; `stop`
+(the router's) is not sent.
 
 Contract:
-* every field of pb.SamplingParams is a wire field of SamplingParams and the
+* every field of pb.SamplingParams is a wire field of the list and the
   other way round; checked when this module is imported, so a half-added
   field fails at start-up, not on the first request;
 * a proto3 `optional` field is unset exactly when the Python value is None
-  or the field's default (HasField); an unset one reads as the dataclass
+  or the field's default (HasField); an unset one reads as the list's
   default (`repetition_penalty` 1, not proto3's 0); a `repeated` field is a
   list, a `map` a dict, anything else a scalar;
 * `max_tokens` must be resolved (an int) before it goes on the wire: None
@@ -21,15 +22,15 @@ from any client is an InvalidRequestError naming the field.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from pipeserve.rpc import generation_pb2 as pb
-from pipeserve.sampling_params import SamplingParams, default_of
+from pipeserve.sampling_fields import SAMPLING_FIELDS
+from pipeserve.sampling_params import SamplingParams
 
 _PROTO = pb.SamplingParams.DESCRIPTOR.fields_by_name
-WIRE_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.metadata.get("wire", True))
-_DEFAULTS = {f.name: default_of(f) for f in fields(SamplingParams) if f.name in WIRE_FIELDS}
+WIRE_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.wire)
+_DEFAULTS = {f.name: f.default for f in SAMPLING_FIELDS if f.wire}  # read for unset optional scalars
 
 
 def _check_schema() -> None:

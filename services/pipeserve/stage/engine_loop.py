@@ -39,7 +39,7 @@ from typing import Protocol
 from pipeserve.engine.engine import LLMEngine
 from pipeserve.engine.request import FinishReason, Request
 from pipeserve.errors import Diverged, GroupStopped, InvalidRequestError
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
 from pipeserve.obs import tracing
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage.request_metrics import RequestTimer, RequestTimes
@@ -140,7 +140,7 @@ class EngineLoop:
         self.engine = engine
         self._executor = thread
         self.max_waiting = max_waiting
-        self.phase = Phase.JOINING  # the engine (and its ring) exists; the loop does not serve yet
+        self.phase = ProcessPhase.JOINING  # the engine (and its ring) exists; the loop does not serve yet
         self.stop_reason: str | None = None
         self.failed = False  # the loop ended on an error (the group stopped), not a shutdown
         self.diverged = False  # ... and that stop was a divergence (errors.Diverged)
@@ -175,7 +175,7 @@ class EngineLoop:
         NotServing at once."""
         self.engine.validate(prompt, params)  # reads only the model's limits
         with self._lock:
-            if self.phase is not Phase.READY:
+            if self.phase is not ProcessPhase.READY:
                 raise NotServing(self.status)
             if self.stats.waiting + self._queued >= self.max_waiting:
                 raise Overloaded(f"admission queue full ({self.max_waiting} waiting)")
@@ -195,7 +195,7 @@ class EngineLoop:
 
     @property
     def status(self) -> str:
-        if self.phase is Phase.STOPPED:
+        if self.phase is ProcessPhase.STOPPED:
             return f"stopped: {self.stop_reason}"
         return self.phase.value
 
@@ -213,7 +213,7 @@ class EngineLoop:
 
     # --- lifecycle -------------------------------------------------------------
     def start(self) -> None:
-        self.phase = Phase.READY
+        self.phase = ProcessPhase.READY
         if self._executor is not None:
             self._executor.submit(self._run)
             return
@@ -223,16 +223,16 @@ class EngineLoop:
     def drain(self) -> None:
         """Refuse new requests; the loop ends when the running ones have finished."""
         with self._lock:
-            if self.phase is Phase.READY:
-                self.phase = Phase.DRAINING
+            if self.phase is ProcessPhase.READY:
+                self.phase = ProcessPhase.DRAINING
         self._wake.set()
 
     def end(self, reason: str) -> None:
         """Stop now: running requests end with `reason` as their error."""
         with self._lock:
-            if self.phase is not Phase.STOPPED:
+            if self.phase is not ProcessPhase.STOPPED:
                 self.stop_reason = reason
-                self.phase = Phase.STOPPED
+                self.phase = ProcessPhase.STOPPED
         self._wake.set()
 
     def join(self, timeout_s: float) -> bool:
@@ -241,9 +241,9 @@ class EngineLoop:
     # --- the loop (its own thread) ---------------------------------------------
     def _run(self) -> None:
         try:
-            while self.phase is not Phase.STOPPED:
+            while self.phase is not ProcessPhase.STOPPED:
                 self._apply_commands()
-                if self.phase is Phase.DRAINING and not self._active:
+                if self.phase is ProcessPhase.DRAINING and not self._active:
                     break
                 if self.engine.has_unfinished():
                     self.timer.step_started()
@@ -265,8 +265,8 @@ class EngineLoop:
             self.engine.stop_group(reason)
         finally:
             self._fail_all(self.stop_reason or "server shutting down")
-            if self.phase is not Phase.STOPPED:
-                self.phase = Phase.STOPPED
+            if self.phase is not ProcessPhase.STOPPED:
+                self.phase = ProcessPhase.STOPPED
                 self.stop_reason = self.stop_reason or "shut down"
             self.done.set()
 

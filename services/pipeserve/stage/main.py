@@ -26,11 +26,11 @@ import time
 from typing import NoReturn
 
 from pipeserve.care.health import SidePort, StageStatus
-from pipeserve.care.launcher import PARENT_ENV
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.errors import Diverged, ExitCode, GroupStopped, ModelLoadError
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
+from pipeserve.local.launcher import PARENT_ENV
 from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.obs.logs import set_identity
 from pipeserve.obs.tracing import setup_tracing
@@ -76,7 +76,7 @@ def _serve(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> i
         SidePort(status, serve.host, serve.health_port).start()
     if rdzv.rank == 0:
         return serve_leader(config, serve, rdzv, status)
-    status.phase = Phase.JOINING
+    status.phase = ProcessPhase.JOINING
     stage = build_stage(config, rdzv)
     follower = Follower(stage)
     detector = WedgeDetector(
@@ -88,10 +88,10 @@ def _serve(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> i
     follower.on_frame = detector.beat
     detector.on_wedge = lambda: follower.flight.dump(f"wedge: {detector.report}")
     DumpOnSignal(follower.flight).install()  # SIGUSR1: write the flight record
-    follower.on_ready = lambda: setattr(status, "phase", Phase.READY)
+    follower.on_ready = lambda: setattr(status, "phase", ProcessPhase.READY)
     detector.start()
     code = follower.run()
-    status.phase = Phase.STOPPED
+    status.phase = ProcessPhase.STOPPED
     if stage.tiers is not None:
         stage.tiers.close()  # pages still queued for L3 get a bounded chance to be written
     return code

@@ -45,7 +45,7 @@ from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
 from pipeserve.engine.grammar import COMPILE_DEADLINE_S
 from pipeserve.errors import ExitCode, InvalidRequestError
-from pipeserve.lifecycle import Phase
+from pipeserve.lifecycle import ProcessPhase
 from pipeserve.obs import tracing
 from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.ring.group import Rendezvous
@@ -210,12 +210,12 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     term = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, term.set)
-    status.phase = Phase.READY
+    status.phase = ProcessPhase.READY
     log.info("stage 0 serving gRPC on %s:%d (model %s)", serve.host, port, model_name)
     while not term.is_set() and not loop.done.is_set():  # serving: until a signal or a group stop
         await asyncio.sleep(0.1)
     if term.is_set() and not loop.done.is_set():
-        status.phase = Phase.DRAINING
+        status.phase = ProcessPhase.DRAINING
         log.info("draining: %d running, %d waiting", loop.stats.running, loop.stats.waiting)
         loop.drain()
         if not await asyncio.to_thread(loop.join, serve.drain_timeout_s):
@@ -229,7 +229,7 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     while service.open_calls and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     await server.stop(grace=1.0)
-    status.phase = Phase.STOPPED
+    status.phase = ProcessPhase.STOPPED
     if loop.failed:
         return ExitCode.DIVERGED if loop.diverged else ExitCode.GROUP_STOP
     if not loop.done.is_set():
@@ -240,7 +240,7 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
 
 def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous, status: StageStatus) -> int:
     """Build the engine (the group forms), serve until SIGTERM or a group stop; the exit status."""
-    status.phase = Phase.JOINING
+    status.phase = ProcessPhase.JOINING
     thread = engine_thread()
     # Waiting on the build is calling it: its deadlines (rendezvous, ring) are build_engine's own.
     engine = thread.submit(build_engine, config, rdzv).result()
@@ -248,7 +248,7 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
     detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)
     status.detector = detector
     status.serving = lambda: (
-        loop.phase is Phase.READY
+        loop.phase is ProcessPhase.READY
     )  # a group stop is not-ready at once, here and in Health
     status.sources.append(lambda: engine_metrics(loop))
     status.sources.append(lambda: busy_metrics(engine.executor.meter))

@@ -19,9 +19,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from pipeserve.care.launcher import LocalGroup, free_port
 from pipeserve.care.restarts import GroupRecord, StageObservation, StageState
 from pipeserve.config import EngineConfig, StageServeConfig, config_argv
+from pipeserve.local.launcher import LocalGroup, free_port
 
 log = logging.getLogger(__name__)
 

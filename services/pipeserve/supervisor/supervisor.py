@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pipeserve.care.restarts import (
     Action,
     GroupObservation,
-    Phase,
+    GroupPhase,
     RestartPolicy,
     StageState,
     decide,
@@ -64,7 +64,7 @@ RESTART_CAUSES = (
 )
 
 
-def restart_cause(obs: GroupObservation, phase: Phase) -> str:
+def restart_cause(obs: GroupObservation, phase: GroupPhase) -> str:
     """The RESTART_CAUSES value of a restart `decide` ordered for `obs`: the lowest rank's failure, in
     the order decide's own check reads it (an exit before a wedge); a group with no failing stage was
     restarted for its startup deadline (not yet ready) or because a stage was gone ("exited"). A stage
@@ -81,7 +81,7 @@ def restart_cause(obs: GroupObservation, phase: Phase) -> str:
             return "exited"
         if s.wedged:
             return "unresponsive" if s.wedged.startswith(UNANSWERED) else "wedged"
-    return "startup_deadline" if phase is not Phase.READY else "exited"
+    return "startup_deadline" if phase is not GroupPhase.READY else "exited"
 
 
 class Supervisor:
@@ -131,13 +131,13 @@ class Supervisor:
     async def run(self) -> None:
         while not self._stopping:
             await asyncio.gather(*(self._watch(slot) for slot in self.slots))
-            if all(s.record.phase is Phase.READY for s in self.slots):
+            if all(s.record.phase is GroupPhase.READY for s in self.slots):
                 self.all_ready.set()
             # A starting group is looked at often, so `up` is ready as soon as its stages are; only within
             # start_grace_s, where unanswered probes are not counted (_probe prices each at an interval).
             now = time.monotonic()
             starting = any(
-                s.record.phase is Phase.STARTING and now - s.started_at < self.config.start_grace_s
+                s.record.phase is GroupPhase.STARTING and now - s.started_at < self.config.start_grace_s
                 for s in self.slots
             )
             await asyncio.sleep(
@@ -150,9 +150,9 @@ class Supervisor:
         phase = slot.record.phase
         ready: dict[int, bool] = {}
         wedged: dict[int, str] = {}
-        if phase in (Phase.STARTING, Phase.READY) and not slot.group_exited():
+        if phase in (GroupPhase.STARTING, GroupPhase.READY) and not slot.group_exited():
             wedged = await self._probe(slot)
-            if phase is Phase.READY:
+            if phase is GroupPhase.READY:
                 # Once ready, liveness and exits decide (a /readyz that times out on a busy machine
                 # must not take a serving group out of routing); the router polls Health itself.
                 ready = dict.fromkeys(range(slot.config.stages), True)
@@ -179,10 +179,10 @@ class Supervisor:
             self.fatal = f"{slot.name}: {d.reason} (see its log)"
             self.failed.set()
         elif d.phase is not phase:
-            if d.phase is Phase.READY:
+            if d.phase is GroupPhase.READY:
                 self.group_ready.labels(slot.name).set(1)
                 log.info("%s: ready after %.1fs", slot.name, now - slot.started_at)
-            elif phase is Phase.READY:
+            elif phase is GroupPhase.READY:
                 self.group_ready.labels(slot.name).set(0)
                 self.on_down(slot.name, d.reason)
                 log.warning("%s: %s", slot.name, d.reason)
@@ -195,7 +195,7 @@ class Supervisor:
             try:
                 r = await self._client.get(slot.health_url(rank) + "/livez")
             except httpx.HTTPError:
-                starting = slot.record.phase is Phase.STARTING
+                starting = slot.record.phase is GroupPhase.STARTING
                 if starting and time.monotonic() - slot.started_at < c.start_grace_s:
                     continue  # the side port opens a moment after the process starts
                 slot.probe_failures[rank] = slot.probe_failures.get(rank, 0) + 1

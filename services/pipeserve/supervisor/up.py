@@ -43,10 +43,10 @@ from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.http_guard import RouterServer, server_config
 
 if TYPE_CHECKING:
-    from pipeserve.care.local_redis import LocalRedis
+    from pipeserve.local.redis_server import LocalRedis
 
 # The parser (`add_up_parser`, built by `pipeserve --help` and every subcommand, the operator's
-# images included) must not import torch: what reaches the ring (care.launcher, care.local_redis,
+# images included) must not import torch: what reaches the ring (local.launcher, local.redis_server,
 # supervisor.group -> ring.group -> torch) is imported inside the functions that run `up`.
 # Start-up order: the stages are launched first (their torch import and weight load are the long
 # pole), the private Redis and the router's imports (FastAPI) happen while they start.
@@ -93,7 +93,7 @@ class UpConfigs:
 
 
 def build_configs(args: argparse.Namespace) -> UpConfigs:
-    from pipeserve.care.launcher import local_group_config
+    from pipeserve.local.launcher import local_group_config
     from pipeserve.model.default import DEFAULT_MODEL_NAME, default_model
 
     if args.replicas < 1:
@@ -122,7 +122,7 @@ def build_configs(args: argparse.Namespace) -> UpConfigs:
 async def serve_up(configs: UpConfigs) -> int:
     engine = configs.engine
 
-    from pipeserve.care.local_redis import LocalRedis
+    from pipeserve.local.redis_server import LocalRedis
 
     registry = CollectorRegistry()
     redis = redis_start = None

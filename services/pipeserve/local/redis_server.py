@@ -19,8 +19,8 @@ from pathlib import Path
 
 import redis
 
-from pipeserve.care.launcher import free_port
 from pipeserve.errors import ConfigError
+from pipeserve.local.launcher import free_port
 
 
 class LocalRedis:
