@@ -12,15 +12,23 @@ tile and the output are each up to an ulp off, with a bias (seen: 1e-2 of max |r
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any triton import: kernels run on the CPU
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import pipeserve_kernels
+from conftest import hf_greedy, random_prompts
+from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.model.quant import (
     CPU_LAYOUT,
     GPU_LAYOUT,
@@ -31,6 +39,9 @@ from pipeserve.model.quant import (
     unpack_nibbles,
 )
 from pipeserve_kernels.triton_quant import BLOCK_K, int4_linear, int8_linear
+
+RUN = Path(__file__).with_name("engine_run.py")
+MAX_TOKENS = 5
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -147,3 +158,35 @@ def test_refusals() -> None:
         int8_linear(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
     with pytest.raises(ValueError, match="qweight must have dtype"):
         int8_linear(x, torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8))
+
+
+def dequantized_checkpoint(model: Path, out: Path, group: int) -> Path:
+    """model's files with every decoder projection replaced by the weight Int4Linear computes with on
+    the Triton path: (q - 8) * bf16(s) + bf16(m + 8 s), exact in float32."""
+    shutil.copytree(model, out)
+    tensors = load_file(model / "model.safetensors")
+    for name, w in tensors.items():
+        if name.endswith("proj.weight") and w.shape[1] % group == 0:
+            q, s, m = quantize_int4(w, group)
+            sb, zb = s.bfloat16().float(), (m + 8.0 * s).bfloat16().float()
+            groups = (q.float() - 8.0).reshape(w.shape[0], -1, group)
+            tensors[name] = (groups * sb[..., None] + zb[..., None]).reshape(w.shape).to(w.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_engine_int4_on_the_triton_path_equals_hf_on_its_dequantized_weights(tmp_path: Path) -> None:
+    """The engine with --quantization int4 on the Triton kernels (a subprocess: PIPESERVE_KERNELS=triton,
+    TRITON_INTERPRET=1; every projection is an Int4Linear in the Triton layout, float32 activations)
+    generates transformers' greedy ids over the same dequantized weights."""
+    spec = DemoSpec(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=1)
+    model = write_demo_model(tmp_path / "tiny", spec)
+    prompts = [[5], *random_prompts(2, 5, 14, 1024, seed=12)]
+    env = {**os.environ, "PIPESERVE_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    args = [sys.executable, str(RUN), str(model), "1", json.dumps(prompts), str(MAX_TOKENS), "int4"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "triton"
+    reference = dequantized_checkpoint(model, tmp_path / "dequantized", 32)
+    assert out["ids"] == [hf_greedy(reference, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
