@@ -170,7 +170,7 @@ class Int4Linear(nn.Module):
         self.out_dtype = dtype
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
-        zeros = m + 8.0 * s  # the kernels' zero: (q - 8) * s + z
+        zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z
         self.layout = GPU_LAYOUT if triton_path(q.device) else CPU_LAYOUT
         if self.layout == GPU_LAYOUT:
             packed = pack_nibbles(q)
