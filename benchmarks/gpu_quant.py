@@ -12,6 +12,8 @@ kernels themselves).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from gpu_kernels import diff, report, timed
@@ -30,7 +32,10 @@ def quant_checks(bw: float) -> bool:
     print("weight-only projections, bfloat16 activations (reference time: dense bf16 F.linear):", flush=True)
     for name, n, k in SHAPES:
         w = (torch.randn(n, k, generator=g, device=DEVICE) * 0.02).to(torch.bfloat16)
-        layers = {"int4 g128": Int4Linear(w, None, 128), "int8": Int8Linear(w, None)}
+        layers: dict[str, Int4Linear | Int8Linear] = {
+            "int4 g128": Int4Linear(w, None, 128),
+            "int8": Int8Linear(w, None),
+        }
         for label, lin in layers.items():
             wq = lin.dequantized().to(torch.bfloat16)
             qbytes = sum(b.numel() * b.element_size() for b in lin.buffers())
@@ -40,8 +45,8 @@ def quant_checks(bw: float) -> bool:
                     f"{label} {name} M={m}",
                     diff(lin(x), F.linear(x, wq)),
                     TOL,
-                    timed(lambda lin=lin, x=x: lin(x)),
-                    timed(lambda x=x, w=w: F.linear(x, w)),
+                    timed(functools.partial(lin, x)),
+                    timed(functools.partial(F.linear, x, w)),
                     qbytes + 2 * m * (n + k),
                     bw,
                 )

@@ -21,6 +21,8 @@ layout's `dequantized()` is the weight its kernel computes with: the reference o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -182,7 +184,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
         """Moves like any module, then converts to the layout of the new device (exact)."""
         super()._apply(fn, recurse)
         want = GPU_LAYOUT if triton_path(self.qweight.device) else CPU_LAYOUT
