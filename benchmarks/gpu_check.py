@@ -18,7 +18,9 @@ Run as one short script where a GPU is lent (prepared; not yet run: no GPU was l
    with L2 and L3 hits counted.
 4. Each Triton kernel against its PyTorch reference and, for attention, SDPA
    on contiguous K/V, float32 and bfloat16, with achieved GB/s against the
-   device's measured copy bandwidth (benchmarks/gpu_kernels.py).
+   device's measured copy bandwidth (benchmarks/gpu_kernels.py); the weight-only int4 / int8
+   projections against F.linear over their dequantized weight and timed against the dense
+   bfloat16 matmul (benchmarks/gpu_quant.py).
 5. Serving tok/s: `pipeserve up --device cuda` on the demo model driven by
    `pipeserve bench` (random 128/64, C=16).
 Exit status 0 only if every comparison holds.

@@ -180,4 +180,7 @@ def kernel_checks() -> bool:
         print(f"kernels, {dtype}:", flush=True)
         ok &= elementwise(dtype, bw)
         ok &= attention(dtype, bw)
+    from gpu_quant import quant_checks  # it imports this module's helpers
+
+    ok &= quant_checks(bw)
     return ok

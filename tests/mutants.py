@@ -1322,6 +1322,62 @@ MUTANTS = [
         "False",
         "tests/test_sampling_fields.py -k validator",
     ),
+    (
+        "Triton int4 kernel drops the zero point",
+        "kernels/pipeserve_kernels/triton_quant.py",
+        "w = ((q.to(tl.float32) - 8.0) * s + z).to(x.dtype)",
+        "w = ((q.to(tl.float32) - 8.0) * s).to(x.dtype)",
+        "tests/kernels/test_triton_quant.py -k int4_linear_matches",
+    ),
+    (
+        "Triton int4 kernel reads the high nibble for even k",
+        "kernels/pipeserve_kernels/triton_quant.py",
+        "q = (packed >> ((rk % 2) * 4)[:, None]) & 15",
+        "q = (packed >> ((1 - rk % 2) * 4)[:, None]) & 15",
+        "tests/kernels/test_triton_quant.py -k int4_linear_matches",
+    ),
+    (
+        "Triton int4 kernel takes the group as 32 whatever it is",
+        "kernels/pipeserve_kernels/triton_quant.py",
+        "g = (rk // GROUP)[:, None]",
+        "g = (rk // 32)[:, None]",
+        "tests/kernels/test_triton_quant.py -k int4_linear_matches",
+    ),
+    (
+        "Triton int8 kernel does not apply the per-channel scale",
+        "kernels/pipeserve_kernels/triton_quant.py",
+        "(acc * s[None, :]).to(y_ptr.dtype.element_ty)",
+        "acc.to(y_ptr.dtype.element_ty)",
+        "tests/kernels/test_triton_quant.py -k int8_linear_matches",
+    ),
+    (
+        "Int4Linear keeps the CPU int4pack when moved to the Triton path",
+        "services/pipeserve/model/quant.py",
+        "        if want == self.layout:\n            return self",
+        "        if True:\n            return self",
+        "tests/kernels/test_triton_quant.py -k gguf_built",
+    ),
+    (
+        "Int4Linear reads the CPU int4pack back with zero 0 instead of 8",
+        "services/pipeserve/model/quant.py",
+        "    unit[..., 1] = 8.0",
+        "    unit[..., 1] = 0.0",
+        "tests/kernels/test_triton_quant.py -k gguf_built",
+    ),
+    (
+        "the engine's int4 projections on the Triton path drop the zero point",
+        "kernels/pipeserve_kernels/triton_quant.py",
+        "w = ((q.to(tl.float32) - 8.0) * s + z).to(x.dtype)",
+        "w = ((q.to(tl.float32) - 8.0) * s).to(x.dtype)",
+        "tests/kernels/test_triton_quant.py -k engine",
+    ),
+    (
+        "config refuses weight-only quantization on CUDA although triton is installed",
+        "services/pipeserve/config.py",
+        'self.device.split(":")[0] == "cpu" or _triton_installed(),',
+        'self.device.split(":")[0] == "cpu",',
+        "tests/model/test_gguf_blocks.py -k accepted_on_cuda",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

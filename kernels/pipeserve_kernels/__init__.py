@@ -5,7 +5,9 @@ kernels are tested against, and the CPU path unless `cpu.py` has a faster
 PyTorch version (fewer ops, no KV gather for consecutive blocks). Model code calls
 only the names exported here, so a backend swap touches this file alone.
 Triton kernels (triton_ops.py, triton_attention.py) run for CUDA tensors;
-PIPESERVE_KERNELS forces a backend (dispatch.py).
+PIPESERVE_KERNELS forces a backend (dispatch.py). The weight-only int4/int8
+projections (triton_quant.py) are not in this table: model/quant.py's modules
+call them for CUDA tensors or under PIPESERVE_KERNELS=triton.
 
 Shapes (T = tokens in the step, H / KVH = query / kv heads, D = head_dim,
 N = KV blocks, BS = block size):

@@ -29,6 +29,12 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 T = TypeVar("T")
 
 
+def _triton_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def _checker(config: object):
     """need(cond, field, message): raise ConfigError naming the field and its value unless cond."""
 
@@ -135,10 +141,11 @@ class EngineConfig:
             "must be in (0, 0.9]",
         )
         need(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
-        need(
-            self.quantization == "none" or self.device.split(":")[0] == "cpu",
+        need(  # CPU: torch's int8/int4 kernels; CUDA: the Triton ones (pipeserve_kernels/triton_quant.py)
+            self.quantization == "none" or self.device.split(":")[0] == "cpu" or _triton_installed(),
             "quantization",
-            "int8, int4 and gguf run on torch's CPU kernels: use --quantization none with a CUDA device",
+            "int8, int4 and gguf on a CUDA device run on Triton kernels and triton is not installed: "
+            "install triton or use --quantization none",
         )
         need(
             self.quantization_group_size in (32, 64, 128, 256),

@@ -1,6 +1,6 @@
 """Run the engine's greedy generation on a demo checkpoint; print the token ids as JSON.
 
-    python tests/kernels/engine_run.py MODEL_DIR STAGES PROMPTS_JSON MAX_TOKENS
+    python tests/kernels/engine_run.py MODEL_DIR STAGES PROMPTS_JSON MAX_TOKENS [QUANTIZATION]
 
 A separate process because the kernel backend (PIPESERVE_KERNELS, TRITON_INTERPRET) is chosen from the
 environment when pipeserve_kernels and triton are first imported; the stage processes of STAGES > 1
@@ -24,6 +24,8 @@ def main() -> None:
         int(sys.argv[4]),
     )
     settings = dict(max_model_len=128, num_kv_blocks=96, block_size=4, max_num_batched_tokens=12)
+    if len(sys.argv) > 5:
+        settings["quantization"] = sys.argv[5]
     with LLM(model, stages=stages, **settings) as llm:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     print(json.dumps({"backend": pipeserve_kernels.BACKEND, "ids": [o.outputs[0].token_ids for o in outs]}))

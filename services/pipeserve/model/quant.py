@@ -1,4 +1,4 @@
-"""Weight-only quantized projections for the CPU (EngineConfig.quantization).
+"""Weight-only quantized projections (EngineConfig.quantization), on the CPU and on CUDA.
 
 - int8: per output channel, symmetric: w = q * s, q in [-127, 127]; torch's
   `aten._weight_int8pack_mm`.
@@ -10,19 +10,38 @@ Both kernels are fast only on bfloat16 activations (benchmarks/quant_linear.py):
 cast to bf16 and the output back to the model dtype. A quantized layer equals the float layer
 built from its dequantized weight within bf16 activation rounding (tests/model/test_quant.py).
 lm_head and the embedding stay float (the vocabulary matrix decides the argmax).
+
+On CUDA (or anywhere under PIPESERVE_KERNELS=triton) both run on the Triton kernels of
+pipeserve_kernels.triton_quant with activations in the model dtype. Int8Linear's buffers are the
+same on both paths; Int4Linear holds the layout of the device it lives on (`layout`): torch's
+CPU int4pack on the CPU, the nibble layout of triton_quant elsewhere, and converts between them
+exactly when moved (`.to()`), so a module built on the CPU (GGUF blocks) serves on CUDA. Either
+layout's `dequantized()` is the weight its kernel computes with: the reference of the tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+GPU_LAYOUT = "triton"
+CPU_LAYOUT = "int4pack"
+
+
+def triton_path(device: torch.device) -> bool:
+    """The Triton kernels serve tensors on `device`: CUDA, or any device under PIPESERVE_KERNELS=triton."""
+    import pipeserve_kernels
+
+    return device.type == "cuda" or pipeserve_kernels.BACKEND == "triton"
 
 
 def quantize_int8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], scales [N]); `rows` at a time, so a vocabulary matrix's
     temporaries stay a few MB instead of several copies of the matrix."""
-    q = torch.empty(w.shape, dtype=torch.int8)
-    s = torch.empty(w.shape[0], dtype=torch.float32)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    s = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
     for lo in range(0, w.shape[0], rows):
         part = w[lo : lo + rows].float()
         s[lo : lo + rows] = (part.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
@@ -81,14 +100,50 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, self.scales
-        )
+        if triton_path(x.device):
+            from pipeserve_kernels.triton_quant import int8_linear
+
+            y = int8_linear(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, self.scales
+            )
         y = y.to(self.out_dtype).reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> uint8 [N, K/2]: element 2j in the low nibble of byte j, 2j + 1 high."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+def _cpu_pack(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
+def _cpu_unpack(packed: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+    """The q [N, K] inside torch's CPU int4pack (its layout depends on the CPU's vector width): the
+    kernel itself reads it back exactly, with scale 1 and zero 8 ((q - 8) * 1 + 8 = q, exact in bf16)."""
+    unit = torch.ones(k // group, n, 2, dtype=torch.bfloat16)
+    unit[..., 1] = 8.0
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group, unit)
+    return q.t().round().to(torch.uint8)
+
+
 class Int4Linear(nn.Module):
+    """w = (q - 8) * s + z per group (z = m + 8 s), s and z in bfloat16.
+
+    layout "int4pack" (CPU): qweight = torch's CPU int4pack, scales_and_zeros bf16 [K/g, N, 2].
+    layout "triton" (CUDA, PIPESERVE_KERNELS=triton): qweight = uint8 [N, K/2] (pack_nibbles),
+    scales_and_zeros bf16 [2, N, K/g] (scales, zeros), triton_quant.int4_linear's layout.
+    """
+
     qweight: torch.Tensor
     scales_and_zeros: torch.Tensor
     bias: torch.Tensor | None
@@ -102,7 +157,8 @@ class Int4Linear(nn.Module):
         out_dtype: torch.dtype | None = None,
     ) -> None:
         """`quantized`: (q, scales, mins) already in int4 form (GGUF blocks; then `weight` may be None
-        and `out_dtype` names the model's dtype), else `weight` is quantized here."""
+        and `out_dtype` names the model's dtype), else `weight` is quantized here. The layout is
+        the one of q's device."""
         super().__init__()
         if quantized is None:
             if weight is None:
@@ -115,25 +171,59 @@ class Int4Linear(nn.Module):
             raise ValueError("Int4Linear built from blocks needs out_dtype")
         self.out_dtype = dtype
         self.in_features = q.shape[1]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.out_features = q.shape[0]
         zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z
-        sz = torch.stack([s, zeros], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.layout = GPU_LAYOUT if triton_path(q.device) else CPU_LAYOUT
+        if self.layout == GPU_LAYOUT:
+            packed = pack_nibbles(q)
+            sz = torch.stack([s, zeros]).to(torch.bfloat16).contiguous()
+        else:
+            packed = _cpu_pack(q)
+            sz = torch.stack([s, zeros], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
         self.register_buffer("qweight", packed)
-        self.register_buffer("scales_and_zeros", sz)  # [K/g, N, 2]
+        self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
+        """Moves like any module, then converts to the layout of the new device (exact)."""
+        super()._apply(fn, recurse)
+        want = GPU_LAYOUT if triton_path(self.qweight.device) else CPU_LAYOUT
+        if want == self.layout:
+            return self
+        device, n, k = self.qweight.device, self.out_features, self.in_features
+        if want == GPU_LAYOUT:  # int4pack -> nibbles: read back on the CPU, where its kernel runs
+            q = _cpu_unpack(self.qweight.cpu(), n, k, self.group)
+            self.qweight = pack_nibbles(q).to(device)
+            self.scales_and_zeros = self.scales_and_zeros.permute(2, 1, 0).contiguous()
+        else:
+            self.qweight = _cpu_pack(unpack_nibbles(self.qweight.cpu())).to(device)
+            self.scales_and_zeros = self.scales_and_zeros.permute(2, 1, 0).contiguous()
+        self.layout = want
+        return self
 
     def dequantized(self) -> torch.Tensor:
         """The float weight the kernel computes with (bf16 scale/zero included)."""
-        n = self.scales_and_zeros.shape[1]
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group, self.scales_and_zeros)
-        return w.float().t().contiguous().reshape(n, self.in_features)
+        n, k, g = self.out_features, self.in_features, self.group
+        if self.layout == GPU_LAYOUT:
+            q = unpack_nibbles(self.qweight).float().reshape(n, k // g, g)
+            s, z = self.scales_and_zeros.float()
+            return ((q - 8.0) * s[..., None] + z[..., None]).reshape(n, k)
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, g, self.scales_and_zeros)
+        return w.float().t().contiguous().reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, self.group, self.scales_and_zeros
-        )
+        x2 = x.reshape(-1, shape[-1])
+        if self.layout == GPU_LAYOUT:
+            from pipeserve_kernels.triton_quant import int4_linear
+
+            sz = self.scales_and_zeros
+            y = int4_linear(x2.contiguous(), self.qweight, sz[0], sz[1], self.group)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.qweight, self.group, self.scales_and_zeros
+            )
         y = y.to(self.out_dtype).reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
