@@ -1225,7 +1225,7 @@ MUTANTS = [
     (
         "gguf blocks keep llama.cpp's q/k row order",
         "services/pipeserve/model/gguf.py",
-        "                blocks = permute_blocks(blocks, lambda w, n=n: unpermute_rows(w, n))",
+        "                blocks = permute_blocks(blocks, partial(unpermute_rows, n_heads=n))",
         "                pass",
         "tests/model/test_gguf_blocks.py -k exactly",
     ),

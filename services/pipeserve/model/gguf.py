@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -210,7 +211,7 @@ def hf_blocks(reader, config: dict) -> dict[str, torch.Tensor]:
         heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
         for proj, n in heads.items():
             if name.endswith(f"self_attn.{proj}_proj.weight"):
-                blocks = permute_blocks(blocks, lambda w, n=n: unpermute_rows(w, n))
+                blocks = permute_blocks(blocks, partial(unpermute_rows, n_heads=n))
         out.update({f"{name}.{k}": v for k, v in blocks.items()})
     return out
 
