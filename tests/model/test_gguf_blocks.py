@@ -120,23 +120,14 @@ def test_weight_only_quantization_is_accepted_on_cuda(quantized) -> None:
         EngineConfig(model=str(out), quantization="int3", device="cuda")
 
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, there was",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "The three primary colors are",
-    "import numpy as np\n\ndef",
-]
-
-
 @pytest.mark.slow
 def test_default_model_gguf_agrees_with_its_float_model(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from pipeserve.bench.agreement import agreement
+    from pipeserve.bench.agreement import PROMPTS, agreement
 
     model = converted_smollm2(tmp_path_factory.getbasetemp())
-    result = agreement(str(model), "gguf", PROMPTS, 48)
-    assert result.tokens == len(PROMPTS) * 48
+    prompts = PROMPTS[:6]
+    result = agreement(str(model), "gguf", prompts, 48)
+    assert result.tokens == len(prompts) * 48
     assert result.rate >= 0.98, result
 
 

@@ -19,6 +19,26 @@ import gc
 from pipeserve.entrypoints.llm import LLM
 from pipeserve.sampling_params import SamplingParams
 
+# Text, code and chat prompts for the default model (benchmarks/quant_agreement.py, the slow test).
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, there was",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "The three primary colors are",
+    "import numpy as np\n\ndef",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "The mitochondria is",
+    "In 1969, the first humans",
+    "SELECT name, age FROM users WHERE",
+    "<|im_start|>user\nExplain recursion in one sentence.<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox",
+    "A list of fruits: apple, banana,",
+    "Water boils at",
+    "<|im_start|>user\nTranslate 'good morning' into Spanish.<|im_end|>\n<|im_start|>assistant\n",
+    "The best way to learn programming is",
+]
+
 
 @dataclasses.dataclass
 class Agreement:
