@@ -22,8 +22,6 @@ The header's metadata says `format: gguf-blocks` and the block size.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,10 +79,6 @@ def permute_blocks(blocks: dict[str, torch.Tensor], permute: Callable[[torch.Ten
     return {k: permute(v) for k, v in blocks.items()}
 
 
-def has_blocks(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / BLOCKS_FILE).is_file()
-
-
 class GgufBlocks:
     """The blocks of one converted checkpoint; tensors are read on demand (one projection at a time)."""
 
@@ -95,13 +89,11 @@ class GgufBlocks:
                 f"--quantization gguf serves a checkpoint converted from a GGUF file (`pipeserve "
                 f"convert-gguf`), which writes {BLOCKS_FILE}; {model_dir} has none"
             )
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        meta = header.pop("__metadata__", {}) or {}
+        with safe_open(str(self.path), framework="pt") as f:  # the header only: no tensor is read
+            meta = f.metadata() or {}
+            self.keys = set(f.keys())
         if meta.get("format") != FORMAT or int(meta.get("block", 0)) != BLOCK:
             raise ModelLoadError(f"{self.path} is not a {FORMAT} file with block size {BLOCK}")
-        self.keys = set(header)
         self.names = {k.rsplit(".", 1)[0] for k in self.keys}
 
     def _get(self, keys: list[str]) -> list[torch.Tensor]:

@@ -67,6 +67,25 @@ def dequantize_int4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group: in
     return (g * s[..., None] + m[..., None]).reshape(n, k)
 
 
+def _source(
+    kind: str,
+    weight: torch.Tensor | None,
+    quantized: tuple | None,
+    out_dtype: torch.dtype | None,
+    quantize: Callable[[torch.Tensor], tuple],
+) -> tuple[tuple, torch.dtype]:
+    """A quantized layer's (quantized tensors, output dtype): given already quantized (GGUF blocks,
+    then `out_dtype` is required), or quantized here from `weight` (whose dtype is the default)."""
+    if quantized is None:
+        if weight is None:
+            raise ValueError(f"{kind} needs a weight or its quantized form")
+        quantized = quantize(weight)
+    dtype = out_dtype if out_dtype is not None else (weight.dtype if weight is not None else None)
+    if dtype is None:
+        raise ValueError(f"{kind} built from blocks needs out_dtype")
+    return quantized, dtype
+
+
 class Int8Linear(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -82,15 +101,7 @@ class Int8Linear(nn.Module):
         """`quantized`: (q, per-channel scales) made elsewhere (GGUF Q8_0 blocks); then `weight` is
         None and `out_dtype` names the model's dtype."""
         super().__init__()
-        if quantized is None:
-            if weight is None:
-                raise ValueError("Int8Linear needs a weight or its quantized form")
-            quantized = quantize_int8(weight)
-        q, s = quantized
-        dtype = out_dtype if out_dtype is not None else (weight.dtype if weight is not None else None)
-        if dtype is None:
-            raise ValueError("Int8Linear built from blocks needs out_dtype")
-        self.out_dtype = dtype
+        (q, s), self.out_dtype = _source("Int8Linear", weight, quantized, out_dtype, quantize_int8)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -160,16 +171,10 @@ class Int4Linear(nn.Module):
         and `out_dtype` names the model's dtype), else `weight` is quantized here. The layout is
         the one of q's device."""
         super().__init__()
-        if quantized is None:
-            if weight is None:
-                raise ValueError("Int4Linear needs a weight or its quantized form")
-            quantized = quantize_int4(weight, group)
-        q, s, m = quantized
+        (q, s, m), self.out_dtype = _source(
+            "Int4Linear", weight, quantized, out_dtype, lambda w: quantize_int4(w, group)
+        )
         self.group = group
-        dtype = out_dtype if out_dtype is not None else (weight.dtype if weight is not None else None)
-        if dtype is None:
-            raise ValueError("Int4Linear built from blocks needs out_dtype")
-        self.out_dtype = dtype
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
         zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z
