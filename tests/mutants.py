@@ -1378,6 +1378,62 @@ MUTANTS = [
         'self.device.split(":")[0] == "cpu",',
         "tests/model/test_gguf_blocks.py -k accepted_on_cuda",
     ),
+    (
+        "native: rotary's sign flipped",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "        v[i] = a * cos[i] - b * sin[i];",
+        "        v[i] = a * cos[i] + b * sin[i];",
+        "tests/model/test_native_decode.py -k pytorch_layers",
+    ),
+    (
+        "native: attention misses the newest slot",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "p1 = p0 + SPLIT < ctx[r] ? p0 + SPLIT : (int)ctx[r];",
+        "p1 = p0 + SPLIT < ctx[r] ? p0 + SPLIT : (int)ctx[r] - 1;",
+        "tests/kernels/test_native.py -k attention",
+    ),
+    (
+        "native: split attention merged without rescaling",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "        float w = expf(ps[0] - mx);",
+        "        float w = 1.f;",
+        "tests/kernels/test_native.py -k attention",
+    ),
+    (
+        "native: 4-bit zero point dropped on the integer path",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "                    off[i] += zc * x->sum[(size_t)i * chunks + c];",
+        "                    off[i] += 0.f * x->sum[(size_t)i * chunks + c];",
+        "tests/kernels/test_native.py -k int4_linear",
+    ),
+    (
+        "native: Q8_0 block scale dropped",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "_mm256_set1_ps(dr[c] * x->dx[(size_t)i * chunks + c])",
+        "_mm256_set1_ps(x->dx[(size_t)i * chunks + c])",
+        "tests/kernels/test_native.py -k q8_0",
+    ),
+    (
+        "native: the new token's key is not stored",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "            memcpy(kc + slots[r] * ks, row + qs, ks * sizeof(float));",
+        "",
+        "tests/model/test_native_decode.py -k pytorch_layers",
+    ),
+    (
+        "native: a step of any size taken",
+        "services/pipeserve/model/native_decode.py",
+        "            and 0 < rows <= MAX_ROWS",
+        "            and 0 < rows",
+        "tests/model/test_native_decode.py -k not_take",
+    ),
+    (
+        "native: decode groups concatenated out of row order",
+        "services/pipeserve/model/native_decode.py",
+        "key=lambda g: g.row)",
+        "key=lambda g: -g.row)",
+        "tests/model/test_native_decode.py -k pytorch_layers",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

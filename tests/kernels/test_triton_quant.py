@@ -30,8 +30,8 @@ import pipeserve_kernels
 from conftest import hf_greedy, random_prompts
 from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.model.quant import (
-    CPU_LAYOUT,
-    GPU_LAYOUT,
+    INT4PACK_LAYOUT,
+    NIBBLE_LAYOUT,
     Int4Linear,
     Int8Linear,
     pack_nibbles,
@@ -111,27 +111,28 @@ def test_gguf_built_int4_linear_on_the_triton_path(monkeypatch: pytest.MonkeyPat
     q, d, _, _ = int4_case(n, k, group, seed=3)
     mins = -8.0 * d + 0.01  # Q4_1-style block minimum
     bias = randn(n, seed=4)
+    monkeypatch.setattr(pipeserve_kernels, "BACKEND", "torch")  # torch's int4pack, not q4.c
     lin = Int4Linear(None, bias, group, quantized=(q, d, mins), out_dtype=torch.float32)
-    assert lin.layout == CPU_LAYOUT
+    assert lin.layout == INT4PACK_LAYOUT
     packed_cpu, cpu_ref = lin.qweight.clone(), lin.dequantized()
     monkeypatch.setattr(pipeserve_kernels, "BACKEND", "triton")
     lin.to("cpu")
-    assert lin.layout == GPU_LAYOUT and lin.qweight.shape == (n, k // 2)
+    assert lin.layout == NIBBLE_LAYOUT and lin.qweight.shape == (n, k // 2)
     assert torch.equal(unpack_nibbles(lin.qweight), q)
     ref = lin.dequantized()
     torch.testing.assert_close(ref, cpu_ref, atol=0.0, rtol=2**-8)  # the CPU one is rounded to bf16
     x = randn(2, 3, k, seed=5)
     close(lin(x), F.linear(x, ref, bias))
-    monkeypatch.setattr(pipeserve_kernels, "BACKEND", "auto")
+    monkeypatch.setattr(pipeserve_kernels, "BACKEND", "torch")
     lin.to("cpu")
-    assert lin.layout == CPU_LAYOUT and torch.equal(lin.qweight, packed_cpu)
+    assert lin.layout == INT4PACK_LAYOUT and torch.equal(lin.qweight, packed_cpu)
 
 
 def test_modules_built_for_the_triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pipeserve_kernels, "BACKEND", "triton")
     w = randn(24, 64, seed=6).bfloat16()
     lin4 = Int4Linear(w, None, 32)
-    assert lin4.layout == GPU_LAYOUT
+    assert lin4.layout == NIBBLE_LAYOUT
     q, _, _ = quantize_int4(w, 32)
     assert torch.equal(unpack_nibbles(lin4.qweight), q)
     x = randn(3, 64, seed=7).bfloat16()

@@ -29,7 +29,7 @@ from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.model.gguf_blocks import BLOCKS_FILE, GgufBlocks, Q8Embedding
 from pipeserve.model.layers import Linear
 from pipeserve.model.loader import load_stage_model
-from pipeserve.model.quant import Int4Linear, Int8Linear
+from pipeserve.model.quant import Int4Linear, Int8Linear, Q8Linear, q8_native
 from pipeserve.model.stage_model import StageSpec
 
 
@@ -79,7 +79,16 @@ def test_gguf_stage_computes_with_the_blocks(quantized) -> None:
     blocks = GgufBlocks(out)
     # no float projection is left: every one is the file's blocks
     assert [n for n, m in model.named_modules() if isinstance(m, Linear)] == []
-    assert isinstance(model.embed_tokens, Q8Embedding) and isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.embed_tokens, Q8Embedding)
+    head = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+    if q8_native(torch.device("cpu")):  # the Q8_0 blocks themselves, exact
+        assert isinstance(model.lm_head, Q8Linear)
+        assert torch.equal(model.lm_head.dequantized(), floats[head])
+        # a tied head is the embedding's blocks, not a second copy of the vocabulary matrix
+        shared = model.lm_head.qweight.data_ptr() == model.embed_tokens.qweight.data_ptr()
+        assert shared == model.cfg.tie_word_embeddings
+    else:
+        assert isinstance(model.lm_head, Int8Linear)
     ids = torch.arange(0, floats["model.embed_tokens.weight"].shape[0], 7)
     assert torch.equal(model.embed_tokens(ids), floats["model.embed_tokens.weight"][ids])
     x = torch.randn(5, 160, generator=torch.Generator().manual_seed(1))

@@ -163,16 +163,22 @@ _FUSED = {
 }
 
 
-def _quantized_linear(blocks: GgufBlocks, names: list[str], dtype: torch.dtype) -> nn.Module:
-    from pipeserve.model.quant import Int4Linear, Int8Linear, quantize_int8
+def _quantized_linear(
+    blocks: GgufBlocks, names: list[str], dtype: torch.dtype, device: torch.device, q8=None
+) -> nn.Module:
+    """The served form of `names`' blocks; `q8`: the (q, d) of a Q8_0 tensor already read (a tied
+    head shares the embedding's)."""
+    from pipeserve.model.quant import Int4Linear, Int8Linear, Q8Linear, q8_native, quantize_int8
 
     if all(blocks.kind(n) == "q4" for n in names):
         return Int4Linear(None, None, BLOCK, quantized=blocks.int4(names), out_dtype=dtype)
-    # Q8_0: per-block scales -> Int8Linear's per-channel ones, requantized from the exact values a
-    # slice of rows at a time (a vocabulary matrix in float32 would be ~4x the file's bytes at once).
     if len(names) != 1:
         raise ModelLoadError(f"{names}: a fused projection of Q8_0 blocks is not served")
-    q8, d = blocks.q8(names[0])
+    q8, d = q8 if q8 is not None else blocks.q8(names[0])
+    if q8_native(device):  # the blocks themselves, exact
+        return Q8Linear(q8, d, None, dtype)
+    # Elsewhere per-block scales -> Int8Linear's per-channel ones, requantized from the exact values
+    # a slice of rows at a time (a vocabulary matrix in float32 would be ~4x the file's bytes at once).
     q, s = torch.empty_like(q8), torch.empty(q8.shape[0])
     for lo in range(0, q8.shape[0], 4096):
         rows = slice(lo, lo + 4096)
@@ -181,7 +187,9 @@ def _quantized_linear(blocks: GgufBlocks, names: list[str], dtype: torch.dtype) 
     return Int8Linear(None, None, out_dtype=dtype, quantized=(q, s))
 
 
-def install(model: StageModel, blocks: GgufBlocks, cfg: ModelConfig, stage: StageSpec) -> set[str]:
+def install(
+    model: StageModel, blocks: GgufBlocks, cfg: ModelConfig, stage: StageSpec, device: torch.device
+) -> set[str]:
     """Swap every module of `model` (a StageModel on the CPU, still on the meta device) whose
     checkpoint tensors have blocks for its quantized form, one projection at a time (the float
     weight is never read). Returns the checkpoint names served from blocks: the loader reads the rest.
@@ -197,16 +205,19 @@ def install(model: StageModel, blocks: GgufBlocks, cfg: ModelConfig, stage: Stag
             if biased or not all(n in blocks.names for n in names):
                 continue
             parent, attr = path.rsplit(".", 1)
-            setattr(_module(layer, parent), attr, _quantized_linear(blocks, names, cfg.dtype))
+            setattr(_module(layer, parent), attr, _quantized_linear(blocks, names, cfg.dtype, device))
             served.update(names)
         return_freed_memory()  # each layer's temporaries, so the load's peak stays near its result
     embed = "model.embed_tokens.weight"
+    embed_blocks = None
     if stage.is_first and embed in blocks.names and blocks.kind(embed) == "q8":
-        model.embed_tokens = Q8Embedding(*blocks.q8(embed), cfg.dtype)  # type: ignore[assignment]
+        embed_blocks = blocks.q8(embed)
+        model.embed_tokens = Q8Embedding(*embed_blocks, cfg.dtype)  # type: ignore[assignment]
         served.add(embed)
     head = embed if cfg.tie_word_embeddings else "lm_head.weight"
     if stage.is_last and head in blocks.names:
-        model.lm_head = _quantized_linear(blocks, [head], cfg.dtype)  # type: ignore[assignment]
+        shared = embed_blocks if head == embed else None
+        model.lm_head = _quantized_linear(blocks, [head], cfg.dtype, device, shared)  # type: ignore[assignment]
         served.add(head)
     return served
 

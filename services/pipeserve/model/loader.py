@@ -193,7 +193,7 @@ def load_stage_model(
         model = StageModel(cfg, stage, max_len).to(cfg.dtype)
     served: set[str] = set()
     if quantization == "gguf":  # the file's blocks, installed before any float tensor is read
-        served = install_blocks(model, GgufBlocks(model_dir), cfg, stage)
+        served = install_blocks(model, GgufBlocks(model_dir), cfg, stage, device)
     params = _fuse(read_stage_tensors(model_dir, cfg, stage, frozenset(served)), cfg, stage)
     own = dict(model.named_parameters())
     unfilled = sorted(set(own) - set(params))
@@ -210,5 +210,6 @@ def load_stage_model(
     model = model.to(device).eval()
     quantize_model(model, quantization, group_size)
     model.pack_weights()
+    model.use_native_decode()  # last: it holds pointers to the weights as they now are
     return_freed_memory()  # the load's temporaries (~200 MB for the default model in gguf mode)
     return model

@@ -2,32 +2,39 @@
 
 - int8: per output channel, symmetric: w = q * s, q in [-127, 127]; torch's
   `aten._weight_int8pack_mm`.
-- int4: group-wise asymmetric (group g along the input dim): w = q * s + m, q in [0, 15];
-  torch's `aten._weight_int4pack_mm_for_cpu`, whose scale/zero pair dequantizes as
-  (q - 8) * s + z, so z = m + 8 * s.
+- int4: group-wise asymmetric (group g along the input dim): w = q * s + m, q in [0, 15], stored
+  as (q - 8) * s + z, so z = m + 8 * s, with s and z in bfloat16.
 
-Both kernels are fast only on bfloat16 activations (benchmarks/quant_linear.py): the input is
+Int4Linear keeps one of two layouts (`layout`), chosen by the device it lives on:
+- "nibbles" (uint8 [N, K/2], scales/zeros [2, N, K/g]), read by our own kernels: Triton on CUDA (or
+  anywhere under PIPESERVE_KERNELS=triton), and on the CPU pipeserve_kernels.native's q4.c, compiled
+  at first use, which also runs a stage's whole decode step (model/native_decode.py). Activations
+  stay float32.
+- "int4pack", torch's `aten._weight_int4pack_mm_for_cpu`, on a CPU where q4.c cannot be built (no
+  C compiler) or under PIPESERVE_KERNELS=torch.
+It converts between them exactly when moved (`.to()`), so a module built on one device serves on
+another. Int8 runs torch's `aten._weight_int8pack_mm` on the CPU and Triton on CUDA.
+
+torch's kernels are fast only on bfloat16 activations (benchmarks/quant_linear.py): the input is
 cast to bf16 and the output back to the model dtype. A quantized layer equals the float layer
-built from its dequantized weight within bf16 activation rounding (tests/model/test_quant.py).
-lm_head and the embedding stay float (the vocabulary matrix decides the argmax).
-
-On CUDA (or anywhere under PIPESERVE_KERNELS=triton) both run on the Triton kernels of
-pipeserve_kernels.triton_quant with activations in the model dtype. Int8Linear's buffers are the
-same on both paths; Int4Linear holds the layout of the device it lives on (`layout`): torch's
-CPU int4pack on the CPU, the nibble layout of triton_quant elsewhere, and converts between them
-exactly when moved (`.to()`), so a module built on the CPU (GGUF blocks) serves on CUDA. Either
-layout's `dequantized()` is the weight its kernel computes with: the reference of the tests.
+built from its dequantized weight within that rounding (tests/model/test_quant.py); either
+layout's `dequantized()` is the weight its kernel computes with, the reference of the tests.
+lm_head and the embedding stay float unless a GGUF file quantized them (gguf_blocks.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-GPU_LAYOUT = "triton"
-CPU_LAYOUT = "int4pack"
+if TYPE_CHECKING:
+    from pipeserve_kernels.native import Native
+
+NIBBLE_LAYOUT = "nibbles"
+INT4PACK_LAYOUT = "int4pack"
 
 
 def triton_path(device: torch.device) -> bool:
@@ -35,6 +42,21 @@ def triton_path(device: torch.device) -> bool:
     import pipeserve_kernels
 
     return device.type == "cuda" or pipeserve_kernels.BACKEND == "triton"
+
+
+def native_kernels() -> Native | None:
+    """pipeserve_kernels' native CPU kernels (q4.c) where the backend is auto and they build."""
+    import pipeserve_kernels
+    from pipeserve_kernels import native
+
+    return native.load() if pipeserve_kernels.BACKEND == "auto" else None
+
+
+def int4_layout(device: torch.device) -> str:
+    """The nibble layout where a kernel of ours reads it (Triton; q4.c on the CPU), else int4pack."""
+    if triton_path(device) or (device.type == "cpu" and native_kernels() is not None):
+        return NIBBLE_LAYOUT
+    return INT4PACK_LAYOUT
 
 
 def quantize_int8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +200,8 @@ class Int4Linear(nn.Module):
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
         zeros = m + 8.0 * s  # the kernel's zero: (q - 8) * s + z
-        self.layout = GPU_LAYOUT if triton_path(q.device) else CPU_LAYOUT
-        if self.layout == GPU_LAYOUT:
+        self.layout = int4_layout(q.device)
+        if self.layout == NIBBLE_LAYOUT:
             packed = pack_nibbles(q)
             sz = torch.stack([s, zeros]).to(torch.bfloat16).contiguous()
         else:
@@ -192,11 +214,11 @@ class Int4Linear(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
         """Moves like any module, then converts to the layout of the new device (exact)."""
         super()._apply(fn, recurse)
-        want = GPU_LAYOUT if triton_path(self.qweight.device) else CPU_LAYOUT
+        want = int4_layout(self.qweight.device)
         if want == self.layout:
             return self
         device, n, k = self.qweight.device, self.out_features, self.in_features
-        if want == GPU_LAYOUT:  # int4pack -> nibbles: read back on the CPU, where its kernel runs
+        if want == NIBBLE_LAYOUT:  # int4pack -> nibbles: read back on the CPU, where its kernel runs
             q = _cpu_unpack(self.qweight.cpu(), n, k, self.group)
             self.qweight = pack_nibbles(q).to(device)
             self.scales_and_zeros = self.scales_and_zeros.permute(2, 1, 0).contiguous()
@@ -209,7 +231,7 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float weight the kernel computes with (bf16 scale/zero included)."""
         n, k, g = self.out_features, self.in_features, self.group
-        if self.layout == GPU_LAYOUT:
+        if self.layout == NIBBLE_LAYOUT:
             q = unpack_nibbles(self.qweight).float().reshape(n, k // g, g)
             s, z = self.scales_and_zeros.float()
             return ((q - 8.0) * s[..., None] + z[..., None]).reshape(n, k)
@@ -220,17 +242,82 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.layout == GPU_LAYOUT:
+        if self.layout == NIBBLE_LAYOUT and triton_path(x.device):
             from pipeserve_kernels.triton_quant import int4_linear
 
             sz = self.scales_and_zeros
             y = int4_linear(x2.contiguous(), self.qweight, sz[0], sz[1], self.group)
+        elif self.layout == NIBBLE_LAYOUT:  # the CPU with q4.c
+            sz = self.scales_and_zeros
+            kernels = native_kernels()
+            if kernels is None:  # the layout is chosen only where it loaded
+                raise RuntimeError("Int4Linear in the nibble layout on a CPU without the native kernels")
+            y = kernels.int4_linear(x2.float(), self.qweight, sz[0], sz[1], self.group, self.bias)
+            return y.to(self.out_dtype).reshape(*shape[:-1], -1)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16), self.qweight, self.group, self.scales_and_zeros
             )
         y = y.to(self.out_dtype).reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
+
+
+Q8_BLOCK = 32  # GGUF's Q8_0 block
+
+
+def quantize_q8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scales [N, K/32]): Q8_0, symmetric per block of 32."""
+    n, k = w.shape
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    d = torch.empty(n, k // Q8_BLOCK, dtype=torch.float32, device=w.device)
+    for lo in range(0, n, rows):
+        part = w[lo : lo + rows].float().reshape(-1, k // Q8_BLOCK, Q8_BLOCK)
+        d[lo : lo + rows] = part.abs().amax(dim=2) / 127.0
+        scale = d[lo : lo + rows].clamp(min=1e-12)[..., None]
+        q[lo : lo + rows] = torch.round(part / scale).clamp(-127, 127).reshape(-1, k).to(torch.int8)
+    return q, d
+
+
+class Q8Linear(nn.Module):
+    """w = q * d over blocks of 32 along the input dim (GGUF's Q8_0), served by q4.c's q8_matmul.
+
+    Built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF file's
+    Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float weight
+    ~4x finer. A tied GGUF head shares the embedding's blocks (one copy of the vocabulary matrix).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        if q.shape[1] % Q8_BLOCK or tuple(d.shape) != (q.shape[0], q.shape[1] // Q8_BLOCK):
+            raise ValueError(f"Q8Linear: q {tuple(q.shape)} and d {tuple(d.shape)} are not Q8_0 blocks")
+        kernels = native_kernels()
+        if kernels is None:
+            raise ValueError("Q8Linear needs the native CPU kernels")
+        self._kernels = kernels
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", d.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_dtype = out_dtype
+
+    def dequantized(self) -> torch.Tensor:
+        n, k = self.qweight.shape
+        return (self.qweight.float().reshape(n, -1, Q8_BLOCK) * self.scales[..., None]).reshape(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._kernels.int8_linear(x.reshape(-1, shape[-1]).float(), self.qweight, self.scales, self.bias)
+        return y.to(self.out_dtype).reshape(*shape[:-1], -1)
+
+
+def q8_native(device: torch.device) -> bool:
+    """Q8Linear serves 8-bit weights on `device` (a CPU with the native kernels)."""
+    return device.type == "cpu" and native_kernels() is not None
 
 
 def quantize_model(model: nn.Module, mode: str, group: int) -> None:
@@ -246,6 +333,12 @@ def quantize_model(model: nn.Module, mode: str, group: int) -> None:
             w = child.weight.data
             if mode == "int4" and w.shape[1] % group:
                 continue  # int4 needs whole groups along the input dim: this projection stays float
-            new: nn.Module = Int8Linear(w, child.bias) if mode == "int8" else Int4Linear(w, child.bias, group)
+            new: nn.Module
+            if mode == "int4":
+                new = Int4Linear(w, child.bias, group)
+            elif q8_native(w.device) and w.shape[1] % Q8_BLOCK == 0:
+                new = Q8Linear(*quantize_q8(w), child.bias, w.dtype)
+            else:
+                new = Int8Linear(w, child.bias)
             setattr(parent, name, new)
             del child, w

@@ -15,6 +15,7 @@ from torch import nn
 
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear, RMSNorm, RotaryTable
+from pipeserve.model.native_decode import NativeDecoder
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class StageModel(nn.Module):
         else:
             self.norm = None
             self.lm_head = None
+        # Decode-only steps in one native call where the stage's layers allow (use_native_decode).
+        self.native: NativeDecoder | None = None
 
     def pack_weights(self) -> None:
         """Projections into the kernels' layout (layers.Linear.pack_weight); once, after loading.
@@ -71,6 +74,12 @@ class StageModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and not (tied and module is self.lm_head):
                 module.pack_weight()
+
+    def use_native_decode(self) -> bool:
+        """Serve small decode-only steps with native_decode.NativeDecoder where this stage's layers
+        allow it (4-bit nibble-layout projections on a CPU with q4.c); once, after loading."""
+        self.native = NativeDecoder.for_model(list(self.layers), self.cfg.rms_norm_eps)  # type: ignore[arg-type]
+        return self.native is not None
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the stage holds, packed projections and quantized ones (buffers)
@@ -92,6 +101,8 @@ class StageModel(nn.Module):
         kv_cache: [layers_local, 2, N, BS, KVH, D].
         """
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        if self.native is not None and self.native.accepts(batch, x.shape[0], kv_cache):
+            return self.native.forward(x, batch, kv_cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, batch, kv_cache[i, 0], kv_cache[i, 1])
         return x

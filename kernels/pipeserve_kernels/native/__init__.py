@@ -1,0 +1,248 @@
+"""The native CPU kernels of q4.c, compiled on first use with the machine's C compiler.
+
+Why native: a decode step of a small quantized model is op-call bound in PyTorch (~200 ATen calls
+per layer, most of them views and casts; benchmarks/RESULTS.md, issue 22), while its weights are
+read in a few milliseconds. q4.c runs a whole stage's decode step in one call and the 4-bit
+projections of any step, reading quant.py's nibble layout directly.
+
+The shared object is built once per (source, compiler flags, CPU) under $PIPESERVE_HOME/native
+(PIPESERVE_HOME defaults to ~/.cache/pipeserve) with `-O3 -march=native -fopenmp`, written to a
+temporary name and renamed, so concurrent stages never load a half-written file; ~2 s, once. No
+compiler, or a failed build, means `load()` returns None and callers keep their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("q4.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+BUILD_TIMEOUT_S = 120.0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PIPESERVE_HOME") or Path.home() / ".cache" / "pipeserve") / "native"
+
+
+def _cpu_id() -> str:
+    """The CPU's model and flags: -march=native code is only valid on the CPU that built it."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_id().encode()):
+        key.update(part)
+    return cache_dir() / f"q4-{key.hexdigest()[:16]}.so"
+
+
+def build(compiler: str) -> Path:
+    """Compile q4.c (if not already cached) and return the shared object's path; raises on failure."""
+    target = library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# Up to INT_ROWS rows q4.c dequantizes each weight chunk in registers and, on AVX2, quantizes x to
+# int8 per 32 elements for an integer dot (q4.c's INT_ROWS); up to FUSED_ROWS rows it multiplies on
+# float tiles of the weight; above, the weight is dequantized to float32 and multiplied by torch
+# (oneDNN/MKL), faster at prefill sizes (benchmarks/RESULTS.md, issue 22).
+INT_ROWS = 16
+FUSED_ROWS = 256
+
+
+class Q4(ctypes.Structure):
+    """q4.c's Q4: one projection's nibble-layout weight (bias may be NULL)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("s", ctypes.c_void_p),
+        ("z", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("g", ctypes.c_int),
+    ]
+
+
+class Layer(ctypes.Structure):
+    """q4.c's Layer: a decoder layer's norm weights and projections."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", Q4),
+        ("o", Q4),
+        ("gate_up", Q4),
+        ("down", Q4),
+    ]
+
+
+class Dims(ctypes.Structure):
+    """q4.c's Dims: the model's sizes and the KV pool's geometry."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int),
+        ("heads", ctypes.c_int),
+        ("kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+        ("inter", ctypes.c_int),
+        ("blocks", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Native:
+    """The loaded library: its functions with their C signatures (ctypes checks arity and types)."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self._q4_matmul = lib.q4_matmul
+        self._q4_matmul.argtypes = [p, i, i, p, p, p, i, i, p, p]
+        self._q4_matmul.restype = None
+        self._q4_dequant = lib.q4_dequant
+        self._q4_dequant.argtypes = [p, p, p, i, i, i, p]
+        self._q4_dequant.restype = None
+        self._q8_matmul = lib.q8_matmul
+        self._q8_matmul.argtypes = [p, i, i, p, p, i, p, p]
+        self._q8_matmul.restype = None
+        self.decode_attention = lib.decode_attention
+        self.decode_attention.argtypes = [p, ctypes.c_size_t, p, p, p, i, p, i, p, p]
+        self.decode_attention.restype = None
+        self.decode_step = lib.decode_step
+        self.decode_step.argtypes = [p, p, i, i, p, p, p, p, p, i, p, p]
+        self.decode_step.restype = None
+        self.path = path
+        self._rooms = threading.local()
+
+    def int4_linear(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x float32 [M, K] @ W^T (+ bias) -> float32 [M, N]; qweight uint8 [N, K/2] (nibbles),
+        scales / zeros bfloat16 [N, K/G], contiguous: W = (q - 8) * s + z."""
+        m, k = x.shape
+        n = qweight.shape[0]
+        x = x.contiguous()
+        if m > FUSED_ROWS:
+            w = self.int4_dequant(qweight, scales, zeros, group, out=self._weight_room(n * k))
+            return torch.addmm(bias, x, w.t()) if bias is not None else x @ w.t()
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._q4_matmul(
+            x.data_ptr(),
+            m,
+            k,
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            zeros.data_ptr(),
+            n,
+            group,
+            _ptr(bias),
+            y.data_ptr(),
+        )
+        return y
+
+    def int8_linear(
+        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x float32 [M, K] @ W^T (+ bias) -> float32 [M, N]; W = q * d over Q8_0 blocks of 32:
+        qweight int8 [N, K], scales float32 [N, K/32], contiguous."""
+        m, k = x.shape
+        n = qweight.shape[0]
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._q8_matmul(
+            x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr()
+        )
+        return y
+
+    def _weight_room(self, numel: int) -> torch.Tensor:
+        """A float32 buffer reused by every large-M projection of the calling thread (a fresh one
+        per call would page-fault megabytes each time); per thread, as stages may share a process."""
+        room = getattr(self._rooms, "buffer", None)
+        if room is None or room.numel() < numel:
+            room = self._rooms.buffer = torch.empty(numel, dtype=torch.float32)
+        return room[:numel]
+
+    def int4_dequant(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The float32 weight [N, K] the kernels compute with (into `out`'s storage if given)."""
+        n, k = qweight.shape[0], qweight.shape[1] * 2
+        w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(n, k)
+        self._q4_dequant(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group, w.data_ptr())
+        return w
+
+
+@functools.cache
+def load() -> Native | None:
+    """The native kernels, built if needed; None where they cannot be (no compiler, build error).
+
+    Cached per process (the library is immutable once loaded); the OS shares its pages between
+    processes. Callers that must not use it (PIPESERVE_KERNELS=torch) do not call this.
+    """
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: the native CPU kernels are off")
+        return None
+    try:
+        return Native(build(compiler))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = (
+            exc.stderr.decode(errors="replace")[-2000:]
+            if isinstance(exc, subprocess.CalledProcessError)
+            else ""
+        )
+        log.warning("native CPU kernels not built (%s); the PyTorch path serves. %s", exc, detail)
+        return None

@@ -1,0 +1,141 @@
+"""A stage's decode step in one native call (pipeserve_kernels.native, q4.c::decode_step).
+
+Why: a decode step of a small 4-bit model is op-call bound in PyTorch (~200 ATen calls per layer,
+~0.5 ms of dispatch and Python per layer against ~0.1 ms of weight reads; benchmarks/RESULTS.md,
+issue 22). q4.c runs every layer of the stage for the step's rows in one call: norms, the 4-bit
+projections, rotary, the KV store, paged attention, SiLU and the residuals, in float32.
+
+It serves a step only when every row decodes one token (no prefill chunk), there are at most
+MAX_ROWS rows (above that the batched PyTorch path's matmuls win), and the pool is float32. Every
+other step runs the PyTorch layers on the same weights and the same pool: the two paths
+interleave freely. Equal to the PyTorch path within float32 rounding
+(tests/model/test_native_decode.py), so greedy ids agree on the quantized models it serves.
+
+Built only for stages whose every decoder projection is an Int4Linear in the nibble layout
+(`--quantization int4|gguf` on a CPU with q4.c) and whose activations are float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pipeserve.model.layers import AttentionBatch, DecoderLayer
+from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, native_kernels
+from pipeserve_kernels.native import Q4, Dims, Layer
+
+# The most decode rows one native step takes: q4.c's fused matmul beats torch's batched one below
+# this (benchmarks/RESULTS.md, issue 22).
+MAX_ROWS = 32
+
+
+def _q4(lin: torch.nn.Module) -> Q4:
+    if not isinstance(lin, Int4Linear):  # _servable checked every projection
+        raise TypeError(f"{type(lin).__name__} is not an Int4Linear")
+    sz = lin.scales_and_zeros  # [2, N, K/g]: contiguous, so sz[0] and sz[1] are too
+    bias = lin.bias.data_ptr() if lin.bias is not None else None
+    return Q4(
+        lin.qweight.data_ptr(),
+        sz[0].data_ptr(),
+        sz[1].data_ptr(),
+        bias,
+        lin.out_features,
+        lin.in_features,
+        lin.group,
+    )
+
+
+def _servable(layer: DecoderLayer) -> bool:
+    projections = (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
+    return all(
+        isinstance(p, Int4Linear) and p.layout == NIBBLE_LAYOUT and p.qweight.device.type == "cpu"
+        for p in projections
+    ) and all(
+        n.weight.dtype == torch.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    )
+
+
+class NativeDecoder:
+    """Holds the ctypes view of a stage's layers; the tensors it points at belong to the model, which
+    must not move or reload them while this object lives (the loader builds it last)."""
+
+    def __init__(self, layers: list[DecoderLayer], rms_norm_eps: float) -> None:
+        kernels = native_kernels()
+        if kernels is None or not layers or not all(_servable(layer) for layer in layers):
+            raise ValueError("the native decode step needs 4-bit nibble-layout projections and q4.c")
+        if layers[0].self_attn.head_dim % 16:
+            raise ValueError("q4.c's attention reads heads in vectors of 16 floats")
+        self._kernels = kernels
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.num_layers = len(layers)
+        self.hidden = attn.o_proj.out_features
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.inter = mlp.down_proj.in_features
+        self.eps, self.scale = rms_norm_eps, attn.scale
+        self._layers = (Layer * len(layers))(
+            *(
+                Layer(
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    _q4(layer.self_attn.qkv_proj),
+                    _q4(layer.self_attn.o_proj),
+                    _q4(layer.mlp.gate_up_proj),
+                    _q4(layer.mlp.down_proj),
+                )
+                for layer in layers
+            )
+        )
+        # The model's tensors stay referenced here too: freeing one would leave a dangling pointer.
+        self._keep = [t for layer in layers for t in layer.state_dict(keep_vars=True).values()]
+
+    @classmethod
+    def for_model(cls, layers: list[DecoderLayer], rms_norm_eps: float) -> NativeDecoder | None:
+        """The decoder where the stage can use it, else None (the PyTorch layers serve every step)."""
+        try:
+            return cls(layers, rms_norm_eps)
+        except ValueError:
+            return None
+
+    def accepts(self, batch: AttentionBatch, rows: int, kv_cache: torch.Tensor) -> bool:
+        return (
+            batch.num_decode == rows  # every row decodes: no prefill chunk in the step
+            and 0 < rows <= MAX_ROWS
+            and kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous()
+            and kv_cache.shape[0] == self.num_layers
+        )
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden] -> hidden [B, hidden] after every layer; writes each row's new K/V into
+        kv_cache [layers, 2, N, BS, KVH, D]. Call only where accepts() holds."""
+        rows = x.shape[0]
+        out = x.to(torch.float32, copy=True).contiguous()  # updated in place by the kernel
+        if len(batch.decodes) == 1:
+            tables, lens = batch.decodes[0].block_tables, batch.decodes[0].context_lens
+        else:
+            groups = sorted(batch.decodes, key=lambda g: g.row)  # rows in order, as x's
+            width = max(g.block_tables.shape[1] for g in groups)
+            pad = torch.nn.functional.pad
+            tables = torch.cat([pad(g.block_tables, (0, width - g.block_tables.shape[1])) for g in groups])
+            lens = torch.cat([g.context_lens for g in groups])
+        tables = tables.to(torch.int64).contiguous()
+        lens = lens.to(torch.int64).contiguous()
+        slots = batch.slot_mapping.to(torch.int64).contiguous()
+        cos = batch.cos.to(torch.float32).contiguous()
+        sin = batch.sin.to(torch.float32).contiguous()
+        dims = Dims(
+            self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
+            kv_cache.shape[2], kv_cache.shape[3], self.eps, self.scale,
+        )  # fmt: skip
+        self._kernels.decode_step(
+            ctypes.byref(dims), self._layers, self.num_layers, rows, out.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            kv_cache.data_ptr(),
+        )  # fmt: skip
+        return out.to(x.dtype)

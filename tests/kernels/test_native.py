@@ -1,0 +1,114 @@
+"""The native CPU kernels (pipeserve_kernels/native/q4.c) against PyTorch references.
+
+Tolerances:
+- q4_dequant: the weight (q - 8) * s + z of quant.py's nibble layout, within one float32 rounding.
+- more than INT_ROWS rows: float32 products (weight tiles, or a GEMM above FUSED_ROWS), within 1e-5
+  of max |y|.
+- up to INT_ROWS rows: x is quantized to int16 per 32-element chunk (on AVX2), so the
+  error is bounded by the rounding of x: |err| <= sum_k |w| * max|x chunk| / 65534 per output.
+- decode attention: reference.paged_attention_decode within 1e-5 (float32, another summation
+  order), across split boundaries (128 positions), GQA, ragged lengths and scattered blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeserve_kernels import native, reference
+from pipeserve_kernels.native import FUSED_ROWS, INT_ROWS, Dims
+
+KERNELS = native.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the native kernels are not built")
+
+
+def _nibble_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, ...]:
+    from pipeserve.model.quant import pack_nibbles
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).bfloat16()
+    z = (torch.randn(n, k // group, generator=g) * 0.1).bfloat16()
+    w = ((q.float() - 8).reshape(n, k // group, group) * s.float()[..., None] + z.float()[..., None]).reshape(
+        n, k
+    )
+    return pack_nibbles(q), s, z, w
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_dequant_is_the_nibble_weight(group: int) -> None:
+    qn, s, z, w = _nibble_weight(40, 256, group, seed=1)
+    torch.testing.assert_close(KERNELS.int4_dequant(qn, s, z, group), w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, INT_ROWS, INT_ROWS + 1, 100, FUSED_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> None:
+    n, k, group = 72, 192, 64  # n not a multiple of the kernels' row tiles
+    qn, s, z, w = _nibble_weight(n, k, group, seed=rows)
+    g = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = KERNELS.int4_linear(x, qn, s, z, group, b)
+    ref = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+    err = (y.double() - ref).abs()
+    if rows > INT_ROWS:
+        assert err.max().item() <= 1e-5 * ref.abs().max().item()
+    else:
+        chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
+        bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
+        assert bool((err <= bound).all()), (err / bound).max().item()
+
+
+def _dims(heads: int, kv_heads: int, head_dim: int, blocks: int, block_size: int) -> Dims:
+    return Dims(0, heads, kv_heads, head_dim, 0, blocks, block_size, 0.0, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("lens", [[1], [127], [128], [129], [300, 5, 256, 129]])
+def test_decode_attention_matches_the_reference(lens: list[int]) -> None:
+    heads, kv_heads, d, bs = 6, 2, 32, 16
+    b = len(lens)
+    width = max(-(-n // bs) for n in lens)
+    blocks = b * width + 3
+    g = torch.Generator().manual_seed(sum(lens))
+    kc = torch.randn(blocks, bs, kv_heads, d, generator=g)
+    vc = torch.randn(blocks, bs, kv_heads, d, generator=g)
+    # every row's blocks scattered over the pool, tables padded with 0
+    perm = torch.randperm(blocks - 1, generator=g)[: b * width] + 1
+    tables = perm.view(b, width).clone()
+    for r, n in enumerate(lens):
+        tables[r, -(-n // bs) :] = 0
+    ctx = torch.tensor(lens, dtype=torch.int64)
+    # queries inside wider rows, as the decode step's qkv rows hold them
+    row_width = heads * d + 2 * kv_heads * d
+    proj = torch.randn(b, row_width, generator=g)
+    q = proj[:, : heads * d].reshape(b, heads, d)
+    out = torch.empty(b, heads * d)
+    dims = _dims(heads, kv_heads, d, blocks, bs)
+    KERNELS.decode_attention(
+        proj.data_ptr(), row_width, kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), width,
+        ctx.data_ptr(), b, native.ctypes.byref(dims), out.data_ptr(),
+    )  # fmt: skip
+    ref = reference.paged_attention_decode(q, kc, vc, tables, ctx, d**-0.5)
+    torch.testing.assert_close(out.view(b, heads, d), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, INT_ROWS, INT_ROWS + 1, 70])
+def test_int8_linear_is_its_q8_0_blocks(rows: int) -> None:
+    """q8_matmul over Q8_0 blocks (w = q * d per 32): float tiles above INT_ROWS rows, int16 x below."""
+    n, k = 50, 160
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // 32, generator=g) * 0.01
+    w = (q.float().reshape(n, -1, 32) * d[..., None]).reshape(n, k)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g)
+    y = KERNELS.int8_linear(x, q, d, b)
+    ref = x.double() @ w.double().t() + b.double()
+    err = (y.double() - ref).abs()
+    if rows > INT_ROWS:
+        assert err.max().item() <= 1e-5 * ref.abs().max().item()
+    else:
+        chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
+        bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
+        assert bool((err <= bound).all()), (err / bound).max().item()
