@@ -78,8 +78,8 @@ class EngineConfig:
     # the default pool's cap: this fraction of the memory available at start-up (CPU: MemAvailable;
     # CUDA: free device memory after the weights are loaded), divided among a local group's stages
     kv_cache_memory_fraction: float = 0.25
-    # KV pool dtype; auto: the model's (float32 is HF-exact). 16-bit halves a float32 pool; greedy
-    # outputs then drift from float32's: measured on the demo model, docs/memory.md
+    # KV pool dtype; auto: the model's (float32 is HF-exact), float16 for a quantized float32 model.
+    # 16-bit halves a float32 pool; greedy outputs then drift from float32's: docs/memory.md
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     enable_prefix_caching: bool = True
     seed: int = 0

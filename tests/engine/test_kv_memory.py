@@ -67,6 +67,12 @@ def test_16bit_kv_halves_the_pool_and_sizing_counts_it(llama_dir: Path):
     fp32 = EngineConfig(model=str(llama_dir), kv_cache_gb=gb)
     fp16 = EngineConfig(model=str(llama_dir), kv_cache_gb=gb, kv_cache_dtype="float16")
     assert kv_cache.kv_dtype(fp32, cfg) == torch.float32 and kv_cache.kv_dtype(fp16, cfg) == torch.float16
+    # auto under a quantized float32 model: float16 (llama.cpp's default cache); explicit wins
+    for q in ("int8", "int4"):
+        auto = EngineConfig(model=str(llama_dir), quantization=q)
+        assert kv_cache.kv_dtype(auto, cfg) == torch.float16
+        explicit = EngineConfig(model=str(llama_dir), quantization=q, kv_cache_dtype="float32")
+        assert kv_cache.kv_dtype(explicit, cfg) == torch.float32
     # The same budget holds twice the blocks in 16 bits.
     assert kv_cache.num_kv_blocks(fp32, cfg, 2, 64, CPU) == 300
     assert kv_cache.num_kv_blocks(fp16, cfg, 2, 64, CPU) == 600

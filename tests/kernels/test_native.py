@@ -7,7 +7,8 @@ Tolerances:
 - up to INT_ROWS rows: x is quantized to int16 per 32-element chunk (on AVX2), so the
   error is bounded by the rounding of x: |err| <= sum_k |w| * max|x chunk| / 65534 per output.
 - decode attention: reference.paged_attention_decode within 1e-5 (float32, another summation
-  order), across split boundaries (128 positions), GQA, ragged lengths and scattered blocks.
+  order), across split boundaries (128 positions), GQA, ragged lengths, scattered blocks and
+  float32 / float16 / bfloat16 pools.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from pipeserve_kernels import native, reference
-from pipeserve_kernels.native import FUSED_ROWS, INT_ROWS, Dims
+from pipeserve_kernels.native import FUSED_ROWS, INT_ROWS, KV_DTYPES, Dims
 
 KERNELS = native.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the native kernels are not built")
@@ -60,19 +61,22 @@ def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> No
         assert bool((err <= bound).all()), (err / bound).max().item()
 
 
-def _dims(heads: int, kv_heads: int, head_dim: int, blocks: int, block_size: int) -> Dims:
-    return Dims(0, heads, kv_heads, head_dim, 0, blocks, block_size, 0.0, head_dim**-0.5)
+def _dims(
+    heads: int, kv_heads: int, head_dim: int, blocks: int, block_size: int, kv_dtype: torch.dtype
+) -> Dims:
+    return Dims(0, heads, kv_heads, head_dim, 0, blocks, block_size, 0.0, head_dim**-0.5, KV_DTYPES[kv_dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1], [127], [128], [129], [300, 5, 256, 129]])
-def test_decode_attention_matches_the_reference(lens: list[int]) -> None:
+def test_decode_attention_matches_the_reference(lens: list[int], kv_dtype: torch.dtype) -> None:
     heads, kv_heads, d, bs = 6, 2, 32, 16
     b = len(lens)
     width = max(-(-n // bs) for n in lens)
     blocks = b * width + 3
     g = torch.Generator().manual_seed(sum(lens))
-    kc = torch.randn(blocks, bs, kv_heads, d, generator=g)
-    vc = torch.randn(blocks, bs, kv_heads, d, generator=g)
+    kc = torch.randn(blocks, bs, kv_heads, d, generator=g).to(kv_dtype)
+    vc = torch.randn(blocks, bs, kv_heads, d, generator=g).to(kv_dtype)
     # every row's blocks scattered over the pool, tables padded with 0
     perm = torch.randperm(blocks - 1, generator=g)[: b * width] + 1
     tables = perm.view(b, width).clone()
@@ -84,12 +88,12 @@ def test_decode_attention_matches_the_reference(lens: list[int]) -> None:
     proj = torch.randn(b, row_width, generator=g)
     q = proj[:, : heads * d].reshape(b, heads, d)
     out = torch.empty(b, heads * d)
-    dims = _dims(heads, kv_heads, d, blocks, bs)
+    dims = _dims(heads, kv_heads, d, blocks, bs, kv_dtype)
     KERNELS.decode_attention(
         proj.data_ptr(), row_width, kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), width,
         ctx.data_ptr(), b, native.ctypes.byref(dims), out.data_ptr(),
     )  # fmt: skip
-    ref = reference.paged_attention_decode(q, kc, vc, tables, ctx, d**-0.5)
+    ref = reference.paged_attention_decode(q, kc, vc, tables, ctx, d**-0.5)  # upcasts a 16-bit pool
     torch.testing.assert_close(out.view(b, heads, d), ref, atol=1e-5, rtol=1e-5)
 
 

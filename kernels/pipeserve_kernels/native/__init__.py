@@ -85,6 +85,10 @@ INT_ROWS = 16
 FUSED_ROWS = 256
 
 
+# The pool dtypes q4.c reads and writes (its KV_F32, KV_F16, KV_BF16).
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 class Q4(ctypes.Structure):
     """q4.c's Q4: one projection's nibble-layout weight (bias may be NULL)."""
 
@@ -125,6 +129,7 @@ class Dims(ctypes.Structure):
         ("block_size", ctypes.c_int),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("kv_dtype", ctypes.c_int),
     ]
 
 

@@ -455,7 +455,43 @@ typedef struct {
     int hidden, heads, kv_heads, head_dim, inter;
     int blocks, block_size; /* the KV pool: [layers, 2, blocks, block_size, kv_heads, head_dim] */
     float eps, scale;
+    int kv_dtype; /* the pool's element: KV_F32, KV_F16 or KV_BF16 */
 } Dims;
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+static const size_t KV_BYTES[] = {4, 2, 2};
+
+typedef _Float16 v16h __attribute__((vector_size(32)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* 16 pool elements at element offset i of `base` as floats; always inlined with a constant kvt. */
+static inline __attribute__((always_inline)) v16 kv_load(const void *base, size_t i, const int kvt) {
+    if (kvt == KV_F32) return load16((const float *)base + i);
+    v16u16 h;
+    memcpy(&h, (const uint16_t *)base + i, sizeof h);
+    if (kvt == KV_F16) return __builtin_convertvector((v16h)h, v16);
+    return (v16)(__builtin_convertvector(h, v16u) << 16); /* bfloat16: the high half of a float */
+}
+
+/* n (% 16 == 0) floats into the pool at element offset i, rounded to nearest-even as torch's .to(). */
+static void kv_store(void *base, size_t i, const float *src, int n, int kvt) {
+    if (kvt == KV_F32) {
+        memcpy((float *)base + i, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int j = 0; j < n; j += 16) {
+        v16 f = load16(src + j);
+        v16u16 h;
+        if (kvt == KV_F16) {
+            h = (v16u16)__builtin_convertvector(f, v16h);
+        } else {
+            v16u u = (v16u)f;
+            h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, v16u16);
+        }
+        memcpy((uint16_t *)base + i + j, &h, sizeof h);
+    }
+}
 
 static void rms_norm(const float *x, const float *w, float *out, int b, int h, float eps) {
     for (int r = 0; r < b; r++) {
@@ -488,21 +524,22 @@ static void matmul(const float *x, float *xp, int b, const Q4 *w, float *y) {
 #define MAX_G 16
 
 /* One query head over positions [p0, p1) of its kv head: part = (max score, sum of exp, unnormalized
- * output [HD]). Always inlined with a constant HD, so q and the output stay in registers; the
- * K/V span (SPLIT slots) stays in L1/L2 for the group's next head. */
-static inline __attribute__((always_inline)) void head_part(const float *q, const float *kc, const float *vc,
+ * output [HD]). Always inlined with constant HD and kvt, so q and the output stay in registers; the
+ * K/V span (SPLIT slots) stays in L1/L2 for the group's next head. kc/vc point at the pool slice
+ * of this kv head; offsets are in elements (slot * stride). */
+static inline __attribute__((always_inline)) void head_part(const float *q, const void *kc, const void *vc,
                                                             const int64_t *table, int p0, int p1, int bs,
-                                                            size_t stride, float scale, const int HD, float *sc,
-                                                            float *part) {
+                                                            size_t stride, float scale, const int HD,
+                                                            const int kvt, float *sc, float *part) {
     v16 qv[HD / 16], acc[HD / 16];
     for (int i = 0; i < HD / 16; i++) qv[i] = load16(q + 16 * i), acc[i] = (v16){0};
     int len = p1 - p0, padded = (len + 15) & ~15;
     for (int p = p0; p < p1;) {
         int o = p % bs;
-        const float *kp = kc + ((size_t)table[p / bs] * bs + o) * stride;
-        for (; o < bs && p < p1; o++, p++, kp += stride) {
-            v16 dot = qv[0] * load16(kp);
-            for (int i = 1; i < HD / 16; i++) dot += qv[i] * load16(kp + 16 * i);
+        size_t at = ((size_t)table[p / bs] * bs + o) * stride;
+        for (; o < bs && p < p1; o++, p++, at += stride) {
+            v16 dot = qv[0] * kv_load(kc, at, kvt);
+            for (int i = 1; i < HD / 16; i++) dot += qv[i] * kv_load(kc, at + 16 * i, kvt);
             sc[p - p0] = hsum16(dot) * scale;
         }
     }
@@ -519,30 +556,38 @@ static inline __attribute__((always_inline)) void head_part(const float *q, cons
     }
     for (int p = p0; p < p1;) {
         int o = p % bs;
-        const float *vp = vc + ((size_t)table[p / bs] * bs + o) * stride;
-        for (; o < bs && p < p1; o++, p++, vp += stride) {
+        size_t at = ((size_t)table[p / bs] * bs + o) * stride;
+        for (; o < bs && p < p1; o++, p++, at += stride) {
             float w = sc[p - p0];
-            for (int i = 0; i < HD / 16; i++) acc[i] += w * load16(vp + 16 * i);
+            for (int i = 0; i < HD / 16; i++) acc[i] += w * kv_load(vc, at + 16 * i, kvt);
         }
     }
     part[0] = mx, part[1] = hsum16(tv);
     for (int i = 0; i < HD / 16; i++) store16(part + 2 + 16 * i, acc[i]);
 }
 
-static void attend_part(const float *qrow, const float *kc, const float *vc, const int64_t *table, int p0, int p1,
+#define HEAD_PART(HD, KVT) head_part(q, kb, vb, table, p0, p1, d->block_size, stride, d->scale, HD, KVT, sc, pj)
+#define HEAD_PART_KV(HD)                                                                                       \
+    switch (d->kv_dtype) {                                                                                     \
+    case KV_F16: HEAD_PART(HD, KV_F16); break;                                                                 \
+    case KV_BF16: HEAD_PART(HD, KV_BF16); break;                                                               \
+    default: HEAD_PART(HD, KV_F32);                                                                            \
+    }
+
+static void attend_part(const float *qrow, const void *kc, const void *vc, const int64_t *table, int p0, int p1,
                         const Dims *d, int kv, float *part /* [G][2 + hd] */) {
     int hd = d->head_dim, g = d->heads / d->kv_heads;
-    size_t stride = (size_t)d->kv_heads * hd; /* floats from one slot to the next */
+    size_t stride = (size_t)d->kv_heads * hd; /* elements from one slot to the next */
     float *sc = scratch(2, (size_t)((p1 - p0 + 15) & ~15));
-    const float *kb = kc + (size_t)kv * hd, *vb = vc + (size_t)kv * hd;
+    size_t elem = KV_BYTES[d->kv_dtype];
+    const void *kb = (const char *)kc + (size_t)kv * hd * elem, *vb = (const char *)vc + (size_t)kv * hd * elem;
     for (int j = 0; j < g; j++) {
         const float *q = qrow + ((size_t)kv * g + j) * hd; /* the group's G query heads, consecutive */
         float *pj = part + (size_t)j * (2 + hd);
         switch (hd) {
-        case 64: head_part(q, kb, vb, table, p0, p1, d->block_size, stride, d->scale, 64, sc, pj); break;
-        case 128: head_part(q, kb, vb, table, p0, p1, d->block_size, stride, d->scale, 128, sc, pj); break;
-        case 256: head_part(q, kb, vb, table, p0, p1, d->block_size, stride, d->scale, 256, sc, pj); break;
-        default: head_part(q, kb, vb, table, p0, p1, d->block_size, stride, d->scale, 16 * (hd / 16), sc, pj);
+        case 64: HEAD_PART_KV(64); break;
+        case 128: HEAD_PART_KV(128); break;
+        default: HEAD_PART_KV(16 * (hd / 16));
         }
     }
 }
@@ -565,7 +610,7 @@ static void merge(const float *part, int splits, size_t stride, int hd, float *o
 /* att [b, heads * hd] = attention of the queries (row r at proj + r * row_width, heads * hd floats)
  * over the pool's K/V slices kc/vc [blocks, BS, kv_heads, hd]; row r reads ctx[r] slots through
  * tables + r * width. Exported for the tests (the decode step calls it on its qkv rows). */
-void decode_attention(const float *proj, size_t row_width, const float *kc, const float *vc, const int64_t *tables,
+void decode_attention(const float *proj, size_t row_width, const void *kc, const void *vc, const int64_t *tables,
                       int width, const int64_t *ctx, int b, const Dims *d, float *att) {
     int hd = d->head_dim, kvh = d->kv_heads, g = d->heads / kvh, qs = d->heads * hd;
     int longest = 0;
@@ -597,7 +642,7 @@ void decode_attention(const float *proj, size_t row_width, const float *kc, cons
  * ctx [B] (context lengths, new token included); kv: the stage's float32 pool. */
 void decode_step(const Dims *d, const Layer *layers, int n_layers, int b, float *x, const float *cos,
                  const float *sin, const int64_t *slots, const int64_t *tables, int width, const int64_t *ctx,
-                 float *kv) {
+                 void *kv) {
     int h = d->hidden, hd = d->head_dim, qs = d->heads * hd, ks = d->kv_heads * hd;
     int wide = qs + 2 * ks > 2 * d->inter ? qs + 2 * ks : 2 * d->inter;
     int widest_in = h > d->inter ? h : d->inter;
@@ -610,14 +655,15 @@ void decode_step(const Dims *d, const Layer *layers, int n_layers, int b, float 
     size_t layer_elems = (size_t)d->blocks * d->block_size * ks;
     for (int l = 0; l < n_layers; l++) {
         const Layer *ly = &layers[l];
-        float *kc = kv + (size_t)l * 2 * layer_elems, *vc = kc + layer_elems;
+        char *kc = (char *)kv + (size_t)l * 2 * layer_elems * KV_BYTES[d->kv_dtype];
+        char *vc = kc + layer_elems * KV_BYTES[d->kv_dtype];
         rms_norm(x, ly->input_norm, norm, b, h, d->eps);
         matmul(norm, xp, b, &ly->qkv, proj);
         for (int r = 0; r < b; r++) {
             float *row = proj + (size_t)r * (qs + 2 * ks);
             for (int hh = 0; hh < d->heads + d->kv_heads; hh++) rotate(row + hh * hd, cos + r * hd, sin + r * hd, hd);
-            memcpy(kc + slots[r] * ks, row + qs, ks * sizeof(float));
-            memcpy(vc + slots[r] * ks, row + qs + ks, ks * sizeof(float));
+            kv_store(kc, (size_t)slots[r] * ks, row + qs, ks, d->kv_dtype);
+            kv_store(vc, (size_t)slots[r] * ks, row + qs + ks, ks, d->kv_dtype);
         }
         decode_attention(proj, (size_t)qs + 2 * ks, kc, vc, tables, width, ctx, b, d, att);
         matmul(att, xp, b, &ly->o, proj);

@@ -6,7 +6,8 @@ issue 22). q4.c runs every layer of the stage for the step's rows in one call: n
 projections, rotary, the KV store, paged attention, SiLU and the residuals, in float32.
 
 It serves a step only when every row decodes one token (no prefill chunk), there are at most
-MAX_ROWS rows (above that the batched PyTorch path's matmuls win), and the pool is float32. Every
+MAX_ROWS rows (above that the batched PyTorch path's matmuls win), and the pool is float32, float16
+or bfloat16. Every
 other step runs the PyTorch layers on the same weights and the same pool: the two paths
 interleave freely. Equal to the PyTorch path within float32 rounding
 (tests/model/test_native_decode.py), so greedy ids agree on the quantized models it serves.
@@ -23,7 +24,7 @@ import torch
 
 from pipeserve.model.layers import AttentionBatch, DecoderLayer
 from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, native_kernels
-from pipeserve_kernels.native import Q4, Dims, Layer
+from pipeserve_kernels.native import KV_DTYPES, Q4, Dims, Layer
 
 # The most decode rows one native step takes: q4.c's fused matmul beats torch's batched one below
 # this (benchmarks/RESULTS.md, issue 22).
@@ -106,7 +107,7 @@ class NativeDecoder:
         return (
             batch.num_decode == rows  # every row decodes: no prefill chunk in the step
             and 0 < rows <= MAX_ROWS
-            and kv_cache.dtype == torch.float32
+            and kv_cache.dtype in KV_DTYPES
             and kv_cache.is_contiguous()
             and kv_cache.shape[0] == self.num_layers
         )
@@ -131,7 +132,7 @@ class NativeDecoder:
         sin = batch.sin.to(torch.float32).contiguous()
         dims = Dims(
             self.hidden, self.heads, self.kv_heads, self.head_dim, self.inter,
-            kv_cache.shape[2], kv_cache.shape[3], self.eps, self.scale,
+            kv_cache.shape[2], kv_cache.shape[3], self.eps, self.scale, KV_DTYPES[kv_cache.dtype],
         )  # fmt: skip
         self._kernels.decode_step(
             ctypes.byref(dims), self._layers, self.num_layers, rows, out.data_ptr(), cos.data_ptr(),

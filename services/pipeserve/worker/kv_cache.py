@@ -39,8 +39,14 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 
 
 def kv_dtype(config: EngineConfig, cfg: ModelConfig) -> torch.dtype:
-    """The pool's dtype: `kv_cache_dtype`, where "auto" is the model's dtype."""
-    return cfg.dtype if config.kv_cache_dtype == "auto" else KV_DTYPES[config.kv_cache_dtype]
+    """The pool's dtype: `kv_cache_dtype`, where "auto" is the model's dtype, except float16 under a
+    quantized float32 model (as llama.cpp's default f16 cache): half the pool, L2 and L3 bytes, on
+    a path that is not HF-exact anyway; docs/memory.md."""
+    if config.kv_cache_dtype != "auto":
+        return KV_DTYPES[config.kv_cache_dtype]
+    if config.quantization != "none" and cfg.dtype == torch.float32:
+        return torch.float16
+    return cfg.dtype
 
 
 def block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype | None = None) -> int:
