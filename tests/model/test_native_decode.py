@@ -2,8 +2,9 @@
 
 Both paths run on one stage's weights and one KV pool: a native step must give the hidden states
 and the K/V writes of the PyTorch layers within 1e-3 of the largest value (float32 rounding, and
-both quantize x to int16 at slightly different values; two ulps of a 16-bit pool), for ragged lengths, several decode groups, scattered
-blocks, GQA, a qkv bias (qwen2) and 16-bit pools. The engine serves the same greedy ids with it and without it.
+both quantize x to int16 at slightly different values; two ulps of a 16-bit pool), for ragged
+lengths, several decode groups, scattered blocks, GQA, a qkv bias (qwen2) and 16-bit pools. The
+engine serves the same greedy ids with it and without it.
 """
 
 from __future__ import annotations
