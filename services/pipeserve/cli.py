@@ -30,7 +30,7 @@ import time
 from dataclasses import fields
 from typing import NoReturn
 
-from pipeserve.config import EngineConfig, StageServeConfig, config_from_args
+from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 from pipeserve.obs.logs import add_log_args, configure_from_args
@@ -59,6 +59,11 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# EngineConfig fields `generate` does not take as engine flags: the model and stages (its own flags)
+# and the names of sampling flags.
+_GENERATE_NOT_ENGINE = {"model", "stages", "log_dir"} | {f.name for f in SAMPLING_FIELDS if f.cli}
+
+
 def _generate(args: argparse.Namespace) -> int:
     from pipeserve import LLM, SamplingParams
     from pipeserve.model.default import default_model
@@ -66,7 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
     # Checked before the model loads: a bad value is an error naming the field.
     params = SamplingParams(**{f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if f.cli})
     model = args.model or str(default_model())
-    llm = LLM(model, kv_cache_gb=args.kv_cache_gb, dtype=args.dtype)
+    engine = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in _GENERATE_NOT_ENGINE}
+    llm = LLM(model, stages=args.stages, **engine)
     start = time.perf_counter()
     outs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
@@ -182,9 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation for a few prompts")
     g.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--prompt", action="append", required=True)
+    g.add_argument("--stages", type=int, default=1, help="pipeline stages (local processes)")
     add_sampling_args(g)
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--kv-cache-gb", type=float, default=None)
+    # every engine flag `stage`/`up` take (--quantization, --kv-cache-dtype, ...), less the
+    # sampling flags' names (--seed is the request's here)
+    add_config_args(g, EngineConfig, skip=_GENERATE_NOT_ENGINE)
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint into an HF safetensors checkpoint")

@@ -12,7 +12,7 @@
  * sets ours too. Scratch is grow-only and per thread; nothing here allocates per call once warm.
  */
 #include <math.h>
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -468,6 +468,23 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 /* 16 pool elements at element offset i of `base` as floats; always inlined with a constant kvt. */
 static inline __attribute__((always_inline)) v16 kv_load(const void *base, size_t i, const int kvt) {
     if (kvt == KV_F32) return load16((const float *)base + i);
+#if defined(__AVX512F__)
+    if (kvt == KV_F16) { /* the conversion instruction itself: GCC's generic _Float16 path is slower */
+        __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
+        v16 out;
+        memcpy(&out, &f, sizeof out);
+        return out;
+    }
+#elif defined(__F16C__)
+    if (kvt == KV_F16) {
+        const __m128i *p = (const __m128i *)((const uint16_t *)base + i);
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(p)), b = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+        v16 out;
+        memcpy(&out, &a, sizeof a);
+        memcpy((char *)&out + sizeof a, &b, sizeof b);
+        return out;
+    }
+#endif
     v16u16 h;
     memcpy(&h, (const uint16_t *)base + i, sizeof h);
     if (kvt == KV_F16) return __builtin_convertvector((v16h)h, v16);
