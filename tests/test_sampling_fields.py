@@ -105,6 +105,21 @@ def test_generate_flags_are_the_lists() -> None:
         assert spec.help in (action.help or ""), spec.name
 
 
+def test_generate_takes_the_engine_flags() -> None:
+    """Every EngineConfig field is a `generate` flag (as on `stage`/`up`) but those named like a
+    sampling flag (seed: the request's) and the model/stages, which are generate's own."""
+    from dataclasses import fields
+
+    from pipeserve.config import EngineConfig
+
+    flags = _generate_flags()
+    sampling = {s.name for s in SAMPLING_FIELDS if s.cli}
+    engine = {f.name for f in fields(EngineConfig)} - {"model", "stages", "log_dir"} - sampling
+    assert engine <= set(flags)
+    assert {"quantization", "kv_cache_dtype", "max_model_len", "stages"} <= set(flags)
+    assert "gguf" in flags["quantization"].choices
+
+
 def test_generate_refuses_a_bad_value_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
     """Checked before any model is looked for or loaded."""
     assert main(["generate", "--prompt", "x", "--top-p", "0"]) == ExitCode.CANNOT_START

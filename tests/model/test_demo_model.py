@@ -73,6 +73,8 @@ def test_cli_writes_model_and_generates(tmp_path: Path, capsys: pytest.CaptureFi
                 "5",
                 "--kv-cache-gb",
                 "0.01",
+                "--quantization",
+                "int4",
             ]
         )
         == 0
