@@ -71,7 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
     # Checked before the model loads: a bad value is an error naming the field.
     params = SamplingParams(**{f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if f.cli})
     model = args.model or str(default_model())
-    engine = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in _GENERATE_NOT_ENGINE}
+    skip = _GENERATE_NOT_ENGINE
+    engine = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in skip}
     llm = LLM(model, stages=args.stages, **engine)
     start = time.perf_counter()
     outs = llm.generate(args.prompt, params)
