@@ -18,7 +18,7 @@ N = KV blocks, BS = block size):
 
 import torch
 
-from pipeserve_kernels import cpu, cpu_linear, reference
+from pipeserve_kernels import cpu, cpu_linear, native, reference
 from pipeserve_kernels.dispatch import backend_from_env, cuda_triton_available, select
 
 # PIPESERVE_KERNELS=auto|torch|triton (dispatch.py); read once at import, an immutable choice.
@@ -34,14 +34,28 @@ silu_and_mul = select("silu_and_mul", cpu.silu_and_mul, BACKEND, _GPU)
 store_kv = select("store_kv", reference.store_kv, BACKEND, _GPU)
 paged_attention_decode = select("paged_attention_decode", cpu.paged_attention_decode, BACKEND, _GPU)
 paged_attention_prefill = select("paged_attention_prefill", reference.paged_attention_prefill, BACKEND, _GPU)
-# Projections: oneDNN on a weight packed at load (cpu_linear.py) where pack_linear_weight packed it,
-# F.linear for any other weight (CUDA, bfloat16/float16, PIPESERVE_KERNELS=torch|triton).
-linear = cpu_linear.linear
+# Projections (cpu_linear.py), float32 on the CPU in auto mode: the native kernels' product on a dense
+# weight (native/q4.c: decode-sized M at the memory's rate; F.linear above), where they build and
+# the weight's width suits them; else oneDNN on a weight packed at load. F.linear for any other
+# weight (CUDA, bfloat16/float16, PIPESERVE_KERNELS=torch|triton).
+
+
+def _native() -> native.Native | None:
+    return native.load() if BACKEND == "auto" else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_linear.linear(x, weight, bias, _native())
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight a projection should keep: packed for oneDNN on the CPU in auto mode, else itself."""
-    return cpu_linear.pack_weight(weight) if BACKEND == "auto" else weight
+    """The weight a projection should keep: dense where the native kernels read it, packed for oneDNN
+    on the CPU in auto mode, else itself."""
+    if BACKEND != "auto":
+        return weight
+    if _native() is not None and cpu_linear.native_weight(weight):
+        return weight
+    return cpu_linear.pack_weight(weight)
 
 
 __all__ = [

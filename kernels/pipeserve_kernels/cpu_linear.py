@@ -17,8 +17,15 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+from pipeserve_kernels.native import F32_K_MULTIPLE, F32_ROWS
+
+if TYPE_CHECKING:
+    from pipeserve_kernels.native import Native
 
 # oneDNN builds (JIT-compiles) and caches one primitive per input shape, ~0.6 MB each, up to 1024 of
 # them: a server whose steps have every row count from 1 to 2048 would keep ~600 MB of them, and
@@ -66,9 +73,28 @@ def row_pieces(rows: int) -> list[tuple[int, int, int]]:
     return pieces
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ weight.T + bias -> [..., out]; weight dense or from pack_weight."""
+def native_weight(weight: torch.Tensor) -> bool:
+    """A weight the native kernels' float32 product reads (native.f32_linear): kept dense, not packed."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and not weight.is_mkldnn
+        and weight.is_contiguous()
+        and weight.shape[1] % F32_K_MULTIPLE == 0
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Native | None = None
+) -> torch.Tensor:
+    """x [..., in] @ weight.T + bias -> [..., out]; weight dense or from pack_weight. With `kernels`
+    (the native CPU kernels), a dense float32 weight's product of up to F32_ROWS rows runs there."""
     if not weight.is_mkldnn:
+        if kernels is not None and x.dtype == torch.float32 and native_weight(weight):
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.shape[0] <= F32_ROWS:
+                return kernels.f32_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     outs = []

@@ -116,3 +116,32 @@ def test_int8_linear_is_its_q8_0_blocks(rows: int) -> None:
         chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
         bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
         assert bool((err <= bound).all()), (err / bound).max().item()
+
+
+@pytest.mark.parametrize("k", [192, 208])  # 208: a tail past the 64-wide unroll
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 33])
+def test_f32_linear_is_f_linear(rows: int, k: int) -> None:
+    """The dense float32 product (native.f32_linear) equals F.linear within float32 rounding of
+    sums of K products (another order than MKL's)."""
+    n = 70
+    g = torch.Generator().manual_seed(rows)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    y = KERNELS.f32_linear(x, w, b)
+    ref = x.double() @ w.double().t() + b.double()
+    bound = 1e-6 * (x.abs().double() @ w.abs().double().t() + b.abs().double())  # ~8 ulp of |x||w|
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_dense_float_weights_are_kept_for_the_native_product() -> None:
+    """pack_linear_weight keeps a float32 weight dense where q4.c reads it (K % 16 == 0) and packs
+    any other for oneDNN; linear() gives F.linear's values on both."""
+    import pipeserve_kernels as K
+
+    g = torch.Generator().manual_seed(0)
+    for k, dense in ((128, True), (100, False)):
+        w, x = torch.randn(40, k, generator=g), torch.randn(3, k, generator=g)
+        kept = K.pack_linear_weight(w)
+        assert (not kept.is_mkldnn) == dense
+        torch.testing.assert_close(
+            K.linear(x, kept, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5
+        )

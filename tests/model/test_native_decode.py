@@ -17,7 +17,7 @@ import torch
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.demo import write_demo_model
 from pipeserve.model.demo_spec import DemoSpec
-from pipeserve.model.layers import AttentionBatch, DecodeGroup, PrefillSpan
+from pipeserve.model.layers import AttentionBatch, DecodeGroup, Linear, PrefillSpan
 from pipeserve.model.loader import load_stage_model
 from pipeserve.model.native_decode import MAX_ROWS
 from pipeserve.model.quant import native_kernels
@@ -74,10 +74,11 @@ def _decode_batch(model: StageModel, lens: list[int], groups: list[int], seed: i
     ],
 )
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("quantization", ["int4", "none"])
 def test_native_step_equals_the_pytorch_layers(
-    model_dir: Path, lens: list[int], groups: list[int], pool_dtype: torch.dtype
+    model_dir: Path, lens: list[int], groups: list[int], pool_dtype: torch.dtype, quantization: str
 ) -> None:
-    model = _stage(model_dir)
+    model = _stage(model_dir, quantization)
     assert model.native is not None
     ids, batch, pool = _decode_batch(model, lens, groups, seed=len(lens))
     pool = pool.to(pool_dtype)
@@ -111,13 +112,25 @@ def test_steps_it_does_not_take(model_dir: Path) -> None:
     assert not model.native.accepts(big, MAX_ROWS + 1, pool)
 
 
-def test_float_and_int8_stages_have_no_native_step(model_dir: Path) -> None:
-    assert _stage(model_dir, "none").native is None
+def test_which_stages_have_a_native_step(model_dir: Path, tmp_path: Path) -> None:
+    """int4 and float32 stages whose widths suit q4.c (multiples of 16) have one, and keep float32
+    weights dense for it; int8 (Q8Linear) has none; a float32 model of other widths keeps its
+    oneDNN-packed weights and the PyTorch layers."""
+    float_stage = _stage(model_dir, "none")
+    assert float_stage.native is not None
+    assert not any(m.weight.is_mkldnn for m in float_stage.modules() if isinstance(m, Linear))
     assert _stage(model_dir, "int8").native is None
+    odd = write_demo_model(
+        tmp_path / "odd", DemoSpec(layers=2, hidden=128, intermediate=200, heads=4, kv_heads=2)
+    )
+    odd_stage = _stage(odd, "none")
+    assert odd_stage.native is None
+    assert odd_stage.layers[0].mlp.down_proj.weight.is_mkldnn  # K = 200: packed for oneDNN
 
 
+@pytest.mark.parametrize("quantization", ["int4", "none"])
 def test_engine_greedy_ids_are_the_same_with_and_without_it(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, quantization: str
 ) -> None:
     from pipeserve.entrypoints.llm import LLM
     from pipeserve.sampling_params import SamplingParams
@@ -126,7 +139,7 @@ def test_engine_greedy_ids_are_the_same_with_and_without_it(
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
     def run(native: bool) -> list[list[int]]:
-        llm = LLM(str(model_dir), quantization="int4", dtype="float32")
+        llm = LLM(str(model_dir), quantization=quantization, dtype="float32")
         try:
             assert (llm.engine.executor.runner.model.native is not None) == native
             return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -136,3 +149,17 @@ def test_engine_greedy_ids_are_the_same_with_and_without_it(
     with_native = run(True)
     monkeypatch.setattr(StageModel, "use_native_decode", lambda self: False)
     assert run(False) == with_native
+
+
+def test_float32_engine_with_the_native_step_matches_hf(model_dir: Path) -> None:
+    """A float32 model whose widths suit q4.c decodes through the native step, and the engine's
+    greedy ids are transformers' (HF-exact holds on this path: sums in another order only)."""
+    from conftest import assert_matches_hf, random_prompts
+    from pipeserve.entrypoints.llm import LLM
+    from pipeserve.sampling_params import SamplingParams
+
+    prompts = random_prompts(10, 1, 40, 1024, seed=21) + random_prompts(3, 150, 300, 1024, seed=22)
+    with LLM(str(model_dir), max_model_len=512, num_kv_blocks=512) as llm:
+        assert llm.engine.executor.runner.model.native is not None
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert_matches_hf(model_dir, prompts, outs, 24)

@@ -85,12 +85,20 @@ INT_ROWS = 16
 FUSED_ROWS = 256
 
 
+# q4.c's projection kinds (Q4.kind).
+W_Q4, W_F32 = 0, 1
+# A dense float32 weight goes through q4.c up to this many rows (decode steps, short chunks); above,
+# torch's GEMM (MKL) is faster. Its K must be a multiple of F32_K_MULTIPLE (the kernel's unroll).
+F32_ROWS = 32
+F32_K_MULTIPLE = 16
+
 # The pool dtypes q4.c reads and writes (its KV_F32, KV_F16, KV_BF16).
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class Q4(ctypes.Structure):
-    """q4.c's Q4: one projection's nibble-layout weight (bias may be NULL)."""
+    """q4.c's Q4: one projection, a nibble-layout weight (kind W_Q4) or a dense float32 one (W_F32:
+    `q` points at it, s and z are NULL); bias may be NULL."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -100,6 +108,7 @@ class Q4(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("g", ctypes.c_int),
+        ("kind", ctypes.c_int),
     ]
 
 
@@ -149,6 +158,9 @@ class Native:
         self._q4_dequant = lib.q4_dequant
         self._q4_dequant.argtypes = [p, p, p, i, i, i, p]
         self._q4_dequant.restype = None
+        self._f32_matmul = lib.f32_matmul
+        self._f32_matmul.argtypes = [p, i, i, p, i, p, p]
+        self._f32_matmul.restype = None
         self._q8_matmul = lib.q8_matmul
         self._q8_matmul.argtypes = [p, i, i, p, p, i, p, p]
         self._q8_matmul.restype = None
@@ -191,6 +203,19 @@ class Native:
             _ptr(bias),
             y.data_ptr(),
         )
+        return y
+
+    def f32_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x float32 [M, K] @ weight^T (+ bias) -> float32 [M, N]; weight dense float32 [N, K],
+        contiguous, K % F32_K_MULTIPLE == 0. Sums in another order than MKL's: equal within float32
+        rounding (tests/kernels/test_native.py)."""
+        m, k = x.shape
+        n = weight.shape[0]
+        x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._f32_matmul(x.data_ptr(), m, k, weight.data_ptr(), n, _ptr(bias), y.data_ptr())
         return y
 
     def int8_linear(

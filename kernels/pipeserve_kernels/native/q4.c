@@ -416,6 +416,57 @@ void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, in
     }
 }
 
+/* ---- float32 weights (--quantization none): few rows, read at the memory's rate ---- */
+
+/* y rows [n0, n1) for m (<= SMALL_M, constant when inlined) rows of x; one row of x keeps four
+ * accumulators so the FMA chain does not bound the weight stream. K % 16 == 0. */
+static inline __attribute__((always_inline)) void f32_rows(const float *x, const int m, int k, const float *w,
+                                                           int n0, int n1, int n, const float *bias, float *y) {
+    for (int r = n0; r < n1; r++) {
+        const float *wr = w + (size_t)r * k;
+        float out[SMALL_M];
+        if (m == 1) {
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            int c = 0;
+            for (; c + 64 <= k; c += 64) {
+                a0 += load16(x + c) * load16(wr + c);
+                a1 += load16(x + c + 16) * load16(wr + c + 16);
+                a2 += load16(x + c + 32) * load16(wr + c + 32);
+                a3 += load16(x + c + 48) * load16(wr + c + 48);
+            }
+            for (; c < k; c += 16) a0 += load16(x + c) * load16(wr + c);
+            out[0] = hsum16((a0 + a1) + (a2 + a3));
+        } else {
+            v16 acc[SMALL_M] = {{0}};
+            for (int c = 0; c < k; c += 16) {
+                v16 wv = load16(wr + c);
+                for (int i = 0; i < m; i++) acc[i] += load16(x + (size_t)i * k + c) * wv;
+            }
+            for (int i = 0; i < m; i++) out[i] = hsum16(acc[i]);
+        }
+        for (int i = 0; i < m; i++) y[(size_t)i * n + r] = out[i] + (bias ? bias[r] : 0.f);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) for a float32 W [N, K]; any M, fastest where M is small. */
+void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y) {
+    int per = 16, tasks = (n + per - 1) / per;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tasks; t++) {
+        int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+        for (int i0 = 0; i0 < m; i0 += SMALL_M) {
+            const float *xi = x + (size_t)i0 * k;
+            float *yi = y + (size_t)i0 * n;
+            switch (m - i0 < SMALL_M ? m - i0 : SMALL_M) {
+            case 1: f32_rows(xi, 1, k, w, n0, n1, n, bias, yi); break;
+            case 2: f32_rows(xi, 2, k, w, n0, n1, n, bias, yi); break;
+            case 3: f32_rows(xi, 3, k, w, n0, n1, n, bias, yi); break;
+            default: f32_rows(xi, 4, k, w, n0, n1, n, bias, yi); break;
+            }
+        }
+    }
+}
+
 /* w [N, K] float32 in the natural order (large M: a float GEMM on it beats a 4-bit one). */
 void q4_dequant(const uint8_t *q, const uint16_t *s, const uint16_t *z, int n, int k, int g, float *w) {
     int groups = k / g;
@@ -440,11 +491,14 @@ void q4_dequant(const uint8_t *q, const uint16_t *s, const uint16_t *z, int n, i
 /* ---- the decode step: every layer of a stage for B rows of one new token each ---- */
 
 typedef struct {
-    const uint8_t *q;
-    const uint16_t *s, *z;
+    const uint8_t *q; /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K] */
+    const uint16_t *s, *z; /* W_Q4's scales and zeros; NULL for W_F32 */
     const float *bias; /* or NULL */
     int n, k, g;
+    int kind; /* W_Q4 or W_F32 */
 } Q4;
+
+enum { W_Q4 = 0, W_F32 = 1 };
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -531,7 +585,10 @@ static void rotate(float *v, const float *cos, const float *sin, int d) {
 }
 
 static void matmul(const float *x, float *xp, int b, const Q4 *w, float *y) {
-    q4_matmul_into(x, xp, b, w->k, w->q, w->s, w->z, w->n, w->g, w->bias, y);
+    if (w->kind == W_F32)
+        f32_matmul(x, b, w->k, (const float *)w->q, w->n, w->bias, y);
+    else
+        q4_matmul_into(x, xp, b, w->k, w->q, w->s, w->z, w->n, w->g, w->bias, y);
 }
 
 /* Decode attention, split like flash-decoding: a task is one (row, kv head, SPLIT positions); it

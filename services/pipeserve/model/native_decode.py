@@ -1,19 +1,20 @@
 """A stage's decode step in one native call (pipeserve_kernels.native, q4.c::decode_step).
 
-Why: a decode step of a small 4-bit model is op-call bound in PyTorch (~200 ATen calls per layer,
-~0.5 ms of dispatch and Python per layer against ~0.1 ms of weight reads; benchmarks/RESULTS.md,
-issue 22). q4.c runs every layer of the stage for the step's rows in one call: norms, the 4-bit
-projections, rotary, the KV store, paged attention, SiLU and the residuals, in float32.
+Why: a decode step of a small model is op-call bound in PyTorch (~200 ATen calls per layer for a
+4-bit one, ~0.5 ms of dispatch and Python per layer against ~0.1 ms of weight reads;
+benchmarks/RESULTS.md, issue 22). q4.c runs every layer of the stage for the step's rows in one
+call: norms, the projections, rotary, the KV store, paged attention, SiLU and the residuals, in
+float32.
 
 It serves a step only when every row decodes one token (no prefill chunk), there are at most
-MAX_ROWS rows (above that the batched PyTorch path's matmuls win), and the pool is float32, float16
-or bfloat16. Every
-other step runs the PyTorch layers on the same weights and the same pool: the two paths
-interleave freely. Equal to the PyTorch path within float32 rounding
-(tests/model/test_native_decode.py), so greedy ids agree on the quantized models it serves.
+MAX_ROWS rows, and the pool is float32, float16 or bfloat16. Every other step runs the PyTorch
+layers on the same weights and the same pool: the two paths interleave freely. Equal to the
+PyTorch path within float32 rounding (tests/model/test_native_decode.py).
 
-Built only for stages whose every decoder projection is an Int4Linear in the nibble layout
-(`--quantization int4|gguf` on a CPU with q4.c) and whose activations are float32.
+Built for stages whose every decoder projection is one q4.c reads: an Int4Linear in the nibble
+layout (`--quantization int4|gguf` on a CPU with q4.c) or a dense float32 Linear (the float32 path
+on such a CPU, where the weights are kept dense instead of packed for oneDNN), with float32
+activations.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import ctypes
 
 import torch
 
-from pipeserve.model.layers import AttentionBatch, DecoderLayer
+from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear
 from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, native_kernels
-from pipeserve_kernels.native import KV_DTYPES, Q4, Dims, Layer
+from pipeserve_kernels.cpu_linear import native_weight
+from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, Dims, Layer
 
 # The most decode rows one native step takes: q4.c's fused matmul beats torch's batched one below
 # this (benchmarks/RESULTS.md, issue 22).
@@ -32,34 +34,39 @@ MAX_ROWS = 32
 
 
 def _q4(lin: torch.nn.Module) -> Q4:
-    if not isinstance(lin, Int4Linear):  # _servable checked every projection
-        raise TypeError(f"{type(lin).__name__} is not an Int4Linear")
-    sz = lin.scales_and_zeros  # [2, N, K/g]: contiguous, so sz[0] and sz[1] are too
-    bias = lin.bias.data_ptr() if lin.bias is not None else None
-    return Q4(
-        lin.qweight.data_ptr(),
-        sz[0].data_ptr(),
-        sz[1].data_ptr(),
-        bias,
-        lin.out_features,
-        lin.in_features,
-        lin.group,
-    )
+    """q4.c's view of one projection (_servable checked it is one of the two kinds)."""
+    bias = lin.bias.data_ptr() if getattr(lin, "bias", None) is not None else None
+    if isinstance(lin, Int4Linear):
+        sz = lin.scales_and_zeros  # [2, N, K/g]: contiguous, so sz[0] and sz[1] are too
+        args = (lin.qweight.data_ptr(), sz[0].data_ptr(), sz[1].data_ptr(), bias)
+        return Q4(*args, lin.out_features, lin.in_features, lin.group, W_Q4)
+    if isinstance(lin, Linear):
+        n, k = lin.weight.shape
+        return Q4(lin.weight.data_ptr(), None, None, bias, n, k, 0, W_F32)
+    raise TypeError(f"{type(lin).__name__} is not a projection q4.c reads")
+
+
+def _projection_kind(p: torch.nn.Module) -> int | None:
+    """W_Q4 for a CPU Int4Linear in the nibble layout, W_F32 for a dense float32 Linear q4.c reads
+    (not packed for oneDNN), else None."""
+    if isinstance(p, Int4Linear) and p.layout == NIBBLE_LAYOUT and p.qweight.device.type == "cpu":
+        return W_Q4
+    if isinstance(p, Linear) and native_weight(p.weight):
+        return W_F32
+    return None
 
 
 def _servable(layer: DecoderLayer) -> bool:
+    """Every projection of one kind q4.c reads; float32 norms."""
     projections = (
         layer.self_attn.qkv_proj,
         layer.self_attn.o_proj,
         layer.mlp.gate_up_proj,
         layer.mlp.down_proj,
     )
-    return all(
-        isinstance(p, Int4Linear) and p.layout == NIBBLE_LAYOUT and p.qweight.device.type == "cpu"
-        for p in projections
-    ) and all(
-        n.weight.dtype == torch.float32 for n in (layer.input_layernorm, layer.post_attention_layernorm)
-    )
+    kinds = {_projection_kind(p) for p in projections}
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return None not in kinds and all(n.weight.dtype == torch.float32 for n in norms)
 
 
 class NativeDecoder:
@@ -69,7 +76,7 @@ class NativeDecoder:
     def __init__(self, layers: list[DecoderLayer], rms_norm_eps: float) -> None:
         kernels = native_kernels()
         if kernels is None or not layers or not all(_servable(layer) for layer in layers):
-            raise ValueError("the native decode step needs 4-bit nibble-layout projections and q4.c")
+            raise ValueError("the native decode step needs q4.c and projections it reads")
         if layers[0].self_attn.head_dim % 16:
             raise ValueError("q4.c's attention reads heads in vectors of 16 floats")
         self._kernels = kernels
