@@ -16,7 +16,6 @@ from `F.linear` within float32 rounding (tests/kernels/test_cpu_linear.py bounds
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 import torch

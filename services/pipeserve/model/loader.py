@@ -150,8 +150,8 @@ def _read_tensor(f, meta: dict, data_start: int, name: str) -> torch.Tensor:
         raise ModelLoadError(f"{name}: {hi - lo} bytes stored for shape {meta['shape']} {meta['dtype']}")
     if hi > lo:
         f.seek(data_start + lo)
-        view = out.view(-1).view(torch.uint8).numpy()
-        if f.readinto(memoryview(view)) != hi - lo:
+        view = out.view(-1).view(torch.uint8).numpy()  # the tensor's bytes, writable in place
+        if f.readinto(view.data) != hi - lo:
             raise ModelLoadError(f"{name}: the file ends inside its data")
     return out
 

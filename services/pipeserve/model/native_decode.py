@@ -35,7 +35,8 @@ MAX_ROWS = 32
 
 def _q4(lin: torch.nn.Module) -> Q4:
     """q4.c's view of one projection (_servable checked it is one of the two kinds)."""
-    bias = lin.bias.data_ptr() if getattr(lin, "bias", None) is not None else None
+    b = getattr(lin, "bias", None)
+    bias = b.data_ptr() if isinstance(b, torch.Tensor) else None
     if isinstance(lin, Int4Linear):
         sz = lin.scales_and_zeros  # [2, N, K/g]: contiguous, so sz[0] and sz[1] are too
         args = (lin.qweight.data_ptr(), sz[0].data_ptr(), sz[1].data_ptr(), bias)
