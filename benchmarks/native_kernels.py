@@ -2,6 +2,7 @@
 against the PyTorch layers (issue 22).
 
     python benchmarks/native_kernels.py projections      # q4.c vs torch's int4pack, per M
+    python benchmarks/native_kernels.py float32          # q4.c's float32 product vs oneDNN and MKL
     python benchmarks/native_kernels.py step --rows 1 4 16 --context 256 [--pool float16]
 
 `projections`: the default model's projection shapes with random int4 weights (group 32); per M the
@@ -69,6 +70,30 @@ def projections() -> None:
             print(f"| {n}x{k} | {rows} | {fused:.3f} | {gemm:.3f} | {ref:.3f} |", flush=True)
 
 
+def float32() -> None:
+    """q4.c's dense float32 product against oneDNN on a packed weight and MKL (F.linear)."""
+    import torch.nn.functional as F
+
+    from pipeserve_kernels import cpu_linear, native
+
+    kernels = native.load()
+    if kernels is None:
+        raise SystemExit("the native kernels did not build (no C compiler?)")
+    print("| weight | M | q4.c f32 (GB/s at M=1) | oneDNN packed | MKL |")
+    print("|---|---|---|---|---|")
+    for n, k in [(1536, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]:
+        w = torch.randn(n, k)
+        packed = cpu_linear.pack_weight(w)
+        for rows in (1, 4, 16, 32):
+            x = torch.randn(rows, k)
+            reps = 20 if n * k > 1 << 25 else 100
+            ours = timed(reps, kernels.f32_linear, x, w)
+            onednn = timed(reps, cpu_linear.linear, x, packed, None)
+            mkl = timed(reps, F.linear, x, w)
+            rate = f" ({n * k * 4 / ours / 1e6:.0f})" if rows == 1 else ""
+            print(f"| {n}x{k} | {rows} | {ours:.3f}{rate} | {onednn:.3f} | {mkl:.3f} |", flush=True)
+
+
 def step(rows_list: list[int], context: int, pool_dtype: str) -> None:
     from pipeserve.model.config import ModelConfig
     from pipeserve.model.default import default_model
@@ -110,7 +135,7 @@ def step(rows_list: list[int], context: int, pool_dtype: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["projections", "step"])
+    p.add_argument("what", choices=["projections", "float32", "step"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--pool", default="float16", choices=["float32", "float16", "bfloat16"])
@@ -119,6 +144,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.what == "projections":
         projections()
+    elif args.what == "float32":
+        float32()
     else:
         step(args.rows, args.context, args.pool)
 

@@ -730,9 +730,16 @@ MUTANTS = [
     (
         "CPU projections left unpacked (MKL's slow small-M path)",
         "kernels/pipeserve_kernels/__init__.py",
-        '    return cpu_linear.pack_weight(weight) if BACKEND == "auto" else weight',
+        "    return cpu_linear.pack_weight(weight)",
         "    return weight",
-        "tests/kernels/test_cpu_linear.py",
+        "tests/kernels/test_cpu_linear.py tests/kernels/test_native.py -k 'dense_float or packs'",
+    ),
+    (
+        "float32 weights packed where the native kernels would read them dense",
+        "kernels/pipeserve_kernels/__init__.py",
+        "    if _native() is not None and cpu_linear.native_weight(weight):",
+        "    if False:",
+        "tests/kernels/test_native.py tests/model/test_native_decode.py -k 'dense_float or which_stages'",
     ),
     (
         "tied lm_head packed (the vocabulary matrix held twice)",
@@ -1416,7 +1423,7 @@ MUTANTS = [
     (
         "native: the new token's key is not stored",
         "kernels/pipeserve_kernels/native/q4.c",
-        "            memcpy(kc + slots[r] * ks, row + qs, ks * sizeof(float));",
+        "            kv_store(kc, (size_t)slots[r] * ks, row + qs, ks, d->kv_dtype);",
         "",
         "tests/model/test_native_decode.py -k pytorch_layers",
     ),
@@ -1433,6 +1440,27 @@ MUTANTS = [
         "key=lambda g: g.row)",
         "key=lambda g: -g.row)",
         "tests/model/test_native_decode.py -k pytorch_layers",
+    ),
+    (
+        "native: float32 product skips the columns past its 64-wide unroll",
+        "kernels/pipeserve_kernels/native/q4.c",
+        "            for (; c < k; c += 16) a0 += load16(x + c) * load16(wr + c);",
+        "",
+        "tests/kernels/test_native.py -k f32_linear",
+    ),
+    (
+        "loader reads a tensor from the wrong offset",
+        "services/pipeserve/model/loader.py",
+        "        f.seek(data_start + lo)",
+        "        f.seek(lo)",
+        "tests/model/test_native_decode.py -k matches_hf",
+    ),
+    (
+        "loader fuses projections out of order",
+        "services/pipeserve/model/loader.py",
+        "        params[dst] = torch.cat([t.pop(s) for s in src])",
+        "        params[dst] = torch.cat([t.pop(s) for s in reversed(src)])",
+        "tests/model/test_native_decode.py -k matches_hf",
     ),
 ]
 

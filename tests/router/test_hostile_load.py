@@ -28,7 +28,9 @@ from serving_support import UpProcess, running_up
 
 pytestmark = pytest.mark.slow
 
-ORDINARY = {"prompt": "The lighthouse keeper", "max_tokens": 8, "temperature": 0}
+# 32 tokens: the demo model decodes a token in ~1.5 ms on the native step, so 8 tokens (~14 ms) made
+# the 2x bound a bound on milliseconds of scheduling noise rather than on the hostile client's cost.
+ORDINARY = {"prompt": "The lighthouse keeper", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 # /health while a hostile client runs: its median under 100 ms, and every answer within the 1 s a
 # kubelet's probe waits by default (a 15 MB body holds the GIL while it is decoded, even in a worker
 # thread, so a probe can wait for one decode on a busy 2-core machine; it must never wait for more).

@@ -164,12 +164,15 @@ class Native:
         self._q8_matmul = lib.q8_matmul
         self._q8_matmul.argtypes = [p, i, i, p, p, i, p, p]
         self._q8_matmul.restype = None
-        self.decode_attention = lib.decode_attention
-        self.decode_attention.argtypes = [p, ctypes.c_size_t, p, p, p, i, p, i, p, p]
-        self.decode_attention.restype = None
-        self.decode_step = lib.decode_step
-        self.decode_step.argtypes = [p, p, i, i, p, p, p, p, p, i, p, p]
-        self.decode_step.restype = None
+        self._decode_attention = lib.decode_attention
+        self._decode_attention.argtypes = [p, ctypes.c_size_t, p, p, p, i, p, i, p, p]
+        self._decode_attention.restype = None
+        self._decode_step = lib.decode_step
+        self._decode_step.argtypes = [p, p, i, i, p, p, p, p, p, i, p, p]
+        self._decode_step.restype = None
+        self._set_threads = lib.set_threads
+        self._set_threads.argtypes = [i]
+        self._set_threads.restype = None
         self.path = path
         self._rooms = threading.local()
 
@@ -191,6 +194,7 @@ class Native:
             w = self.int4_dequant(qweight, scales, zeros, group, out=self._weight_room(n * k))
             return torch.addmm(bias, x, w.t()) if bias is not None else x @ w.t()
         y = torch.empty(m, n, dtype=torch.float32)
+        self._threads()
         self._q4_matmul(
             x.data_ptr(),
             m,
@@ -205,6 +209,21 @@ class Native:
         )
         return y
 
+    def _threads(self) -> None:
+        """q4.c's regions take torch's thread count for the calling thread: libgomp's own default
+        ignores torch.set_num_threads in threads started after it (the stage's engine thread)."""
+        self._set_threads(torch.get_num_threads())
+
+    def decode_step(self, *args: object) -> None:
+        """q4.c's decode_step (its C signature; model/native_decode.py builds the arguments)."""
+        self._threads()
+        self._decode_step(*args)
+
+    def decode_attention(self, *args: object) -> None:
+        """q4.c's decode_attention (its C signature; the tests call it)."""
+        self._threads()
+        self._decode_attention(*args)
+
     def f32_linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -215,6 +234,7 @@ class Native:
         n = weight.shape[0]
         x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
+        self._threads()
         self._f32_matmul(x.data_ptr(), m, k, weight.data_ptr(), n, _ptr(bias), y.data_ptr())
         return y
 
@@ -227,6 +247,7 @@ class Native:
         n = qweight.shape[0]
         x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
+        self._threads()
         self._q8_matmul(
             x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr()
         )
@@ -251,6 +272,7 @@ class Native:
         """The float32 weight [N, K] the kernels compute with (into `out`'s storage if given)."""
         n, k = qweight.shape[0], qweight.shape[1] * 2
         w = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(n, k)
+        self._threads()
         self._q4_dequant(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group, w.data_ptr())
         return w
 

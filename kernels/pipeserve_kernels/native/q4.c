@@ -12,6 +12,7 @@
  * sets ours too. Scratch is grow-only and per thread; nothing here allocates per call once warm.
  */
 #include <math.h>
+#include <omp.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -73,6 +74,15 @@ static inline float bf16(uint16_t h) {
 
 /* 16 nibble values q -> the floats q - 8 (exact), the factor the scale multiplies. */
 static inline v16 nibbles(v16b q) { return __builtin_convertvector(__builtin_convertvector(q, v16i) - 8, v16); }
+
+/* The threads of a parallel region: what the caller set for its thread (set_threads: torch's
+ * intra-op count, which libgomp does not carry into threads created after torch.set_num_threads),
+ * else libgomp's default. Thread-local, as torch's setting applies to whichever thread calls. */
+static __thread int n_threads;
+
+void set_threads(int n) { n_threads = n; }
+
+static inline int threads(void) { return n_threads > 0 ? n_threads : omp_get_max_threads(); }
 
 /* Grow-only per-thread buffer `slot` (a few per thread) of at least n floats, 64-byte aligned. */
 static float *scratch(int slot, size_t n) {
@@ -295,13 +305,13 @@ static void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_
         float *qxf = scratch(4, (size_t)m * (k / 2 + 2 * chunks));
         QX qx = {(int16_t *)qxf, qxf + (size_t)m * k / 2, qxf + (size_t)m * (k / 2 + chunks)};
         quantize_x(xp, m, k, &qx);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
         for (int t = 0; t < tasks; t++) {
             int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
             rows_int_any(&qx, m, k, q, s, z, g, n0, n1, n, bias, y);
         }
 #else
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
         for (int t = 0; t < tasks; t++) {
             int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
             rows_small_any(xp, m, k, q, s, z, g, n0, n1, n, bias, y);
@@ -313,7 +323,7 @@ static void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_
      * the dequantization over more rows of x. */
     int nb = m <= 16 ? 16 : 64;
     int tiles = (n + nb - 1) / nb;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
     for (int t = 0; t < tiles; t++) {
         int n0 = t * nb, rows = n0 + nb <= n ? nb : n - n0;
         float *tile = scratch(0, (size_t)nb * k);
@@ -398,7 +408,7 @@ void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, in
         float *qxf = scratch(4, (size_t)m * (k / 2 + 2 * chunks));
         QX qx = {(int16_t *)qxf, qxf + (size_t)m * k / 2, qxf + (size_t)m * (k / 2 + chunks)};
         quantize_x(x, m, k, &qx);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
         for (int t = 0; t < tasks; t++) {
             int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
             q8_rows_int_any(&qx, m, k, q, d, n0, n1, n, bias, y);
@@ -407,7 +417,7 @@ void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, in
     }
 #endif
     int nb = 64, tiles = (n + nb - 1) / nb;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
     for (int t = 0; t < tiles; t++) {
         int n0 = t * nb, rows = n0 + nb <= n ? nb : n - n0;
         float *tile = scratch(0, (size_t)nb * k);
@@ -451,7 +461,7 @@ static inline __attribute__((always_inline)) void f32_rows(const float *x, const
 /* y [M, N] = x [M, K] @ W^T (+ bias) for a float32 W [N, K]; any M, fastest where M is small. */
 void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y) {
     int per = 16, tasks = (n + per - 1) / per;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
     for (int t = 0; t < tasks; t++) {
         int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
         for (int i0 = 0; i0 < m; i0 += SMALL_M) {
@@ -470,7 +480,7 @@ void f32_matmul(const float *x, int m, int k, const float *w, int n, const float
 /* w [N, K] float32 in the natural order (large M: a float GEMM on it beats a 4-bit one). */
 void q4_dequant(const uint8_t *q, const uint16_t *s, const uint16_t *z, int n, int k, int g, float *w) {
     int groups = k / g;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads())
     for (int r = 0; r < n; r++) {
         const uint8_t *qr = q + (size_t)r * (k / 2);
         float *wr = w + (size_t)r * k;
@@ -693,7 +703,7 @@ void decode_attention(const float *proj, size_t row_width, const void *kc, const
     size_t head_part = 2 + (size_t)hd;
     /* parts [b][kvh][splits][g][2 + hd] */
     float *parts = scratch(5, (size_t)b * kvh * splits * g * head_part);
-#pragma omp parallel for schedule(static) collapse(3)
+#pragma omp parallel for schedule(static) collapse(3) num_threads(threads())
     for (int r = 0; r < b; r++)
         for (int kv = 0; kv < kvh; kv++)
             for (int sp = 0; sp < splits; sp++) {

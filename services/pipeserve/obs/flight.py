@@ -81,6 +81,9 @@ class StageSetup(msgspec.Struct, frozen=True):
     # Weight-only quantization the group served with (model/quant.py): replay loads the same weights.
     quantization: str = "none"
     quantization_group_size: int = 32
+    # The KV pool's dtype ("float16", ...; kv_cache_dtype resolved); "" in dumps from before it was
+    # recorded: the model's dtype.
+    kv_dtype: str = ""
 
 
 class FlightDump(msgspec.Struct, frozen=True):

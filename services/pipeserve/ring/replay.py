@@ -42,6 +42,7 @@ from pipeserve.obs.flight import FlightDump, FlightRecord, FlightRecorder, Stage
 from pipeserve.ring.build import Stage, layer_split
 from pipeserve.ring.messages import Forward, Result, decode_frame
 from pipeserve.worker.build import build_runner
+from pipeserve.worker.kv_cache import kv_dtype
 from pipeserve.worker.model_runner import ModelRunner, PlanMismatch
 
 
@@ -61,6 +62,7 @@ def recorder_for(stage: Stage) -> FlightRecorder:
         cfg.l3_url is not None,
         cfg.quantization,
         cfg.quantization_group_size,
+        str(kv_dtype(cfg, stage.model_config)).removeprefix("torch."),
     )
     return FlightRecorder(
         stage.spec.rank,
@@ -130,8 +132,11 @@ class _Group:
             )
             # Structured outputs are masked on the last stage, as in the group (worker/grammar.py).
             book = GrammarBook(model, cfg.vocab_size, cfg.eos_token_ids) if spec.is_last else None
+            pool = getattr(torch, s.kv_dtype) if s.kv_dtype else None  # None: the model's dtype
             self.runners.append(
-                build_runner(stage_model, num_blocks, s.block_size, s.seed, cpu, grammar_book=book)
+                build_runner(
+                    stage_model, num_blocks, s.block_size, s.seed, cpu, kv_dtype=pool, grammar_book=book
+                )
             )
 
     def run(self, plan: StepPlan) -> tuple[list[StageReport], list[int | None], list[SampledToken]]:
