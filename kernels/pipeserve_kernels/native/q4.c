@@ -170,6 +170,15 @@ static void tile_matmul(const float *xp, int m, int k, const float *tile, int ro
 /* Few rows of x (decode): each weight chunk is dequantized in registers and used at once for the
  * m (<= SMALL_M) rows. Always inlined with a constant m, so the accumulators live in registers. */
 #define SMALL_M 4
+/* CALL(M) with M the constant 1..SMALL_M equal to min(rows, SMALL_M): the row kernels are always
+ * inlined, so each constant gets its own copy with its accumulators in registers. */
+#define WITH_CONSTANT_ROWS(rows, CALL)                                                                      \
+    switch ((rows) < SMALL_M ? (rows) : SMALL_M) {                                                           \
+    case 1: CALL(1); break;                                                                                  \
+    case 2: CALL(2); break;                                                                                  \
+    case 3: CALL(3); break;                                                                                  \
+    default: CALL(SMALL_M); break;                                                                           \
+    }
 #define INT_ROWS 16 /* up to this many rows of x, the fused (int8 x on AVX2) path */
 static inline __attribute__((always_inline)) void rows_small(const float *xp, const int m, int k,
                                                              const uint8_t *q, const uint16_t *s,
@@ -269,12 +278,9 @@ static void rows_int_any(const QX *x, int m, int k, const uint8_t *q, const uint
         int chunks = k / 32;
         QX xi = {x->q + (size_t)i0 * k, x->dx + (size_t)i0 * chunks, x->sum + (size_t)i0 * chunks};
         float *yi = y + (size_t)i0 * n;
-        switch (m - i0 < SMALL_M ? m - i0 : SMALL_M) {
-        case 1: rows_int(&xi, 1, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        case 2: rows_int(&xi, 2, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        case 3: rows_int(&xi, 3, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        default: rows_int(&xi, 4, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        }
+#define ROWS_INT(M) rows_int(&xi, M, k, q, s, z, g, n0, n1, n, bias, yi)
+        WITH_CONSTANT_ROWS(m - i0, ROWS_INT)
+#undef ROWS_INT
     }
 }
 #endif
@@ -284,12 +290,9 @@ static void rows_small_any(const float *xp, int m, int k, const uint8_t *q, cons
     for (int i0 = 0; i0 < m; i0 += SMALL_M) {
         const float *xi = xp + (size_t)i0 * k;
         float *yi = y + (size_t)i0 * n;
-        switch (m - i0 < SMALL_M ? m - i0 : SMALL_M) {
-        case 1: rows_small(xi, 1, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        case 2: rows_small(xi, 2, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        case 3: rows_small(xi, 3, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        default: rows_small(xi, 4, k, q, s, z, g, n0, n1, n, bias, yi); break;
-        }
+#define ROWS_SMALL(M) rows_small(xi, M, k, q, s, z, g, n0, n1, n, bias, yi)
+        WITH_CONSTANT_ROWS(m - i0, ROWS_SMALL)
+#undef ROWS_SMALL
     }
 }
 
@@ -390,12 +393,9 @@ static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const fl
     for (int i0 = 0; i0 < m; i0 += SMALL_M) {
         QX xi = {x->q + (size_t)i0 * k, x->dx + (size_t)i0 * chunks, x->sum + (size_t)i0 * chunks};
         float *yi = y + (size_t)i0 * n;
-        switch (m - i0 < SMALL_M ? m - i0 : SMALL_M) {
-        case 1: q8_rows_int(&xi, 1, k, q, d, n0, n1, n, bias, yi); break;
-        case 2: q8_rows_int(&xi, 2, k, q, d, n0, n1, n, bias, yi); break;
-        case 3: q8_rows_int(&xi, 3, k, q, d, n0, n1, n, bias, yi); break;
-        default: q8_rows_int(&xi, 4, k, q, d, n0, n1, n, bias, yi); break;
-        }
+#define Q8_ROWS_INT(M) q8_rows_int(&xi, M, k, q, d, n0, n1, n, bias, yi)
+        WITH_CONSTANT_ROWS(m - i0, Q8_ROWS_INT)
+#undef Q8_ROWS_INT
     }
 }
 #endif
@@ -467,12 +467,9 @@ void f32_matmul(const float *x, int m, int k, const float *w, int n, const float
         for (int i0 = 0; i0 < m; i0 += SMALL_M) {
             const float *xi = x + (size_t)i0 * k;
             float *yi = y + (size_t)i0 * n;
-            switch (m - i0 < SMALL_M ? m - i0 : SMALL_M) {
-            case 1: f32_rows(xi, 1, k, w, n0, n1, n, bias, yi); break;
-            case 2: f32_rows(xi, 2, k, w, n0, n1, n, bias, yi); break;
-            case 3: f32_rows(xi, 3, k, w, n0, n1, n, bias, yi); break;
-            default: f32_rows(xi, 4, k, w, n0, n1, n, bias, yi); break;
-            }
+#define F32_ROWS(M) f32_rows(xi, M, k, w, n0, n1, n, bias, yi)
+            WITH_CONSTANT_ROWS(m - i0, F32_ROWS)
+#undef F32_ROWS
         }
     }
 }
