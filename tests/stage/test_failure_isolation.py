@@ -134,7 +134,9 @@ def test_duplicate_request_id_is_already_exists(llama_dir: Path, tmp_path: Path)
     """A client error is never UNAVAILABLE (which would take a healthy group out of routing)."""
     with live_group(llama_dir, 1, tmp_path) as slot:
         s = stub(slot.grpc_target)
-        call = s.Generate(greedy_request("dup", [5, 6, 7], 400, ignore_eos=True), timeout=60)
+        # Long enough to outlive the duplicate's round trip on a loaded machine: the demo model
+        # decodes a token in ~1.5 ms on the native step, so 400 tokens could end first.
+        call = s.Generate(greedy_request("dup", [5, 6, 7], 2000, ignore_eos=True), timeout=60)
         next(call)
         with pytest.raises(grpc.RpcError) as err:
             generate(s, greedy_request("dup", [5, 6, 7], 4))
