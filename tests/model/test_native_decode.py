@@ -74,7 +74,7 @@ def _decode_batch(model: StageModel, lens: list[int], groups: list[int], seed: i
     ],
 )
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("quantization", ["int4", "none"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 def test_native_step_equals_the_pytorch_layers(
     model_dir: Path, lens: list[int], groups: list[int], pool_dtype: torch.dtype, quantization: str
 ) -> None:
@@ -113,13 +113,13 @@ def test_steps_it_does_not_take(model_dir: Path) -> None:
 
 
 def test_which_stages_have_a_native_step(model_dir: Path, tmp_path: Path) -> None:
-    """int4 and float32 stages whose widths suit q4.c (multiples of 16) have one, and keep float32
-    weights dense for it; int8 (Q8Linear) has none; a float32 model of other widths keeps its
-    oneDNN-packed weights and the PyTorch layers."""
+    """int4, int8 (Q8Linear) and float32 stages whose widths suit q4.c (multiples of 16) have one,
+    and keep float32 weights dense for it; a float32 model of other widths keeps its oneDNN-packed
+    weights and the PyTorch layers."""
     float_stage = _stage(model_dir, "none")
     assert float_stage.native is not None
     assert not any(m.weight.is_mkldnn for m in float_stage.modules() if isinstance(m, Linear))
-    assert _stage(model_dir, "int8").native is None
+    assert _stage(model_dir, "int8").native is not None  # Q8Linear projections
     odd = write_demo_model(
         tmp_path / "odd", DemoSpec(layers=2, hidden=128, intermediate=200, heads=4, kv_heads=2)
     )
@@ -128,7 +128,7 @@ def test_which_stages_have_a_native_step(model_dir: Path, tmp_path: Path) -> Non
     assert odd_stage.layers[0].mlp.down_proj.weight.is_mkldnn  # K = 200: packed for oneDNN
 
 
-@pytest.mark.parametrize("quantization", ["int4", "none"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "none"])
 def test_engine_greedy_ids_are_the_same_with_and_without_it(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, quantization: str
 ) -> None:

@@ -86,7 +86,7 @@ FUSED_ROWS = 256
 
 
 # q4.c's projection kinds (Q4.kind).
-W_Q4, W_F32 = 0, 1
+W_Q4, W_F32, W_Q8 = 0, 1, 2
 # A dense float32 weight goes through q4.c up to this many rows (decode steps, short chunks); above,
 # torch's GEMM (MKL) is faster. Its K must be a multiple of F32_K_MULTIPLE (the kernel's unroll).
 F32_ROWS = 32
@@ -97,8 +97,9 @@ KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class Q4(ctypes.Structure):
-    """q4.c's Q4: one projection, a nibble-layout weight (kind W_Q4) or a dense float32 one (W_F32:
-    `q` points at it, s and z are NULL); bias may be NULL."""
+    """q4.c's Q4: one projection, a nibble-layout weight (kind W_Q4), a dense float32 one (W_F32:
+    `q` points at it, s and z are NULL) or Q8_0 blocks (W_Q8: int8 in `q`, float32 scales in `s`);
+    bias may be NULL."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),

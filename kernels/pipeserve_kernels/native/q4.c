@@ -498,14 +498,14 @@ void q4_dequant(const uint8_t *q, const uint16_t *s, const uint16_t *z, int n, i
 /* ---- the decode step: every layer of a stage for B rows of one new token each ---- */
 
 typedef struct {
-    const uint8_t *q; /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K] */
-    const uint16_t *s, *z; /* W_Q4's scales and zeros; NULL for W_F32 */
-    const float *bias; /* or NULL */
+    const uint8_t *q;      /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K]; W_Q8: int8 [N, K] */
+    const uint16_t *s, *z; /* W_Q4's scales and zeros; W_Q8: its float32 scales [N, K/32] in s; else NULL */
+    const float *bias;     /* or NULL */
     int n, k, g;
-    int kind; /* W_Q4 or W_F32 */
+    int kind; /* W_Q4, W_F32 or W_Q8 */
 } Q4;
 
-enum { W_Q4 = 0, W_F32 = 1 };
+enum { W_Q4 = 0, W_F32 = 1, W_Q8 = 2 };
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -594,6 +594,8 @@ static void rotate(float *v, const float *cos, const float *sin, int d) {
 static void matmul(const float *x, float *xp, int b, const Q4 *w, float *y) {
     if (w->kind == W_F32)
         f32_matmul(x, b, w->k, (const float *)w->q, w->n, w->bias, y);
+    else if (w->kind == W_Q8)
+        q8_matmul(x, b, w->k, (const int8_t *)w->q, (const float *)w->s, w->n, w->bias, y);
     else
         q4_matmul_into(x, xp, b, w->k, w->q, w->s, w->z, w->n, w->g, w->bias, y);
 }

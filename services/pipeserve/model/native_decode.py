@@ -12,9 +12,9 @@ layers on the same weights and the same pool: the two paths interleave freely. E
 PyTorch path within float32 rounding (tests/model/test_native_decode.py).
 
 Built for stages whose every decoder projection is one q4.c reads: an Int4Linear in the nibble
-layout (`--quantization int4|gguf` on a CPU with q4.c) or a dense float32 Linear (the float32 path
-on such a CPU, where the weights are kept dense instead of packed for oneDNN), with float32
-activations.
+layout (`--quantization int4|gguf` on a CPU with q4.c), a Q8Linear (`int8`), or a dense float32
+Linear (the float32 path on such a CPU, where the weights are kept dense instead of packed for
+oneDNN), with float32 activations.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import ctypes
 import torch
 
 from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear
-from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, native_kernels
+from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear, native_kernels
 from pipeserve_kernels.cpu_linear import native_weight
-from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, Dims, Layer
+from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, W_Q8, Dims, Layer
 
 # The most decode rows one native step takes: q4.c's fused matmul beats torch's batched one below
 # this (benchmarks/RESULTS.md, issue 22).
@@ -44,16 +44,21 @@ def _q4(lin: torch.nn.Module) -> Q4:
     if isinstance(lin, Linear):
         n, k = lin.weight.shape
         return Q4(lin.weight.data_ptr(), None, None, bias, n, k, 0, W_F32)
+    if isinstance(lin, Q8Linear):
+        n, k = lin.qweight.shape
+        return Q4(lin.qweight.data_ptr(), lin.scales.data_ptr(), None, bias, n, k, 0, W_Q8)
     raise TypeError(f"{type(lin).__name__} is not a projection q4.c reads")
 
 
 def _projection_kind(p: torch.nn.Module) -> int | None:
     """W_Q4 for a CPU Int4Linear in the nibble layout, W_F32 for a dense float32 Linear q4.c reads
-    (not packed for oneDNN), else None."""
+    (not packed for oneDNN), W_Q8 for a Q8Linear, else None."""
     if isinstance(p, Int4Linear) and p.layout == NIBBLE_LAYOUT and p.qweight.device.type == "cpu":
         return W_Q4
     if isinstance(p, Linear) and native_weight(p.weight):
         return W_F32
+    if isinstance(p, Q8Linear) and p.qweight.device.type == "cpu":
+        return W_Q8
     return None
 
 

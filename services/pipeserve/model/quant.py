@@ -305,6 +305,14 @@ class Q8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_dtype = out_dtype
 
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
     def dequantized(self) -> torch.Tensor:
         n, k = self.qweight.shape
         return (self.qweight.float().reshape(n, -1, Q8_BLOCK) * self.scales[..., None]).reshape(n, k)
