@@ -24,6 +24,7 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf_blocks import GgufBlocks
 from pipeserve.model.gguf_blocks import install as install_blocks
 from pipeserve.model.memory import return_freed_memory
+from pipeserve.model.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pipeserve.model.quant import quantize_model
 from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
@@ -255,6 +256,7 @@ def load_stage_model(
     model = model.to(device).eval()
     quantize_model(model, quantization, group_size)
     model.pack_weights()
-    model.use_native_decode()  # last: it holds pointers to the weights as they now are
+    if model.use_native_decode():  # last: it holds pointers to the weights as they now are
+        log.info("stage %d: decode steps of up to %d rows run natively (q4.c)", stage.rank, NATIVE_MAX_ROWS)
     return_freed_memory()  # the load's temporaries (~200 MB for the default model in gguf mode)
     return model
