@@ -35,7 +35,7 @@ store_kv = select("store_kv", reference.store_kv, BACKEND, _GPU)
 paged_attention_decode = select("paged_attention_decode", cpu.paged_attention_decode, BACKEND, _GPU)
 paged_attention_prefill = select("paged_attention_prefill", reference.paged_attention_prefill, BACKEND, _GPU)
 # Projections (cpu_linear.py), float32 on the CPU in auto mode: the native kernels' product on a dense
-# weight (native/q4.c: decode-sized M at the memory's rate; F.linear above), where they build and
+# weight (native/: decode-sized M at the memory's rate; F.linear above), where they build and
 # the weight's width suits them; else oneDNN on a weight packed at load. F.linear for any other
 # weight (CUDA, bfloat16/float16, PIPESERVE_KERNELS=torch|triton).
 

@@ -1,4 +1,4 @@
-"""The native CPU kernels (pipeserve_kernels/native/q4.c) against PyTorch references.
+"""The native CPU kernels (pipeserve_kernels/native/*.c) against PyTorch references.
 
 Tolerances:
 - q4_dequant: the weight (q - 8) * s + z of quant.py's nibble layout, within one float32 rounding.
@@ -133,8 +133,8 @@ def test_f32_linear_is_f_linear(rows: int, k: int) -> None:
 
 
 def test_dense_float_weights_are_kept_for_the_native_product() -> None:
-    """pack_linear_weight keeps a float32 weight dense where q4.c reads it (K % 16 == 0) and packs
-    any other for oneDNN; linear() gives F.linear's values on both."""
+    """pack_linear_weight keeps a float32 weight dense where the native kernels read it (K % 16 == 0)
+    and packs any other for oneDNN; linear() gives F.linear's values on both."""
     import pipeserve_kernels as K
 
     g = torch.Generator().manual_seed(0)

@@ -111,7 +111,7 @@ def test_gguf_built_int4_linear_on_the_triton_path(monkeypatch: pytest.MonkeyPat
     q, d, _, _ = int4_case(n, k, group, seed=3)
     mins = -8.0 * d + 0.01  # Q4_1-style block minimum
     bias = randn(n, seed=4)
-    monkeypatch.setattr(pipeserve_kernels, "BACKEND", "torch")  # torch's int4pack, not q4.c
+    monkeypatch.setattr(pipeserve_kernels, "BACKEND", "torch")  # torch's int4pack, not the native kernels
     lin = Int4Linear(None, bias, group, quantized=(q, d, mins), out_dtype=torch.float32)
     assert lin.layout == INT4PACK_LAYOUT
     packed_cpu, cpu_ref = lin.qweight.clone(), lin.dequantized()

@@ -1,4 +1,4 @@
-"""The native decode step (model/native_decode.py, q4.c::decode_step) against the PyTorch layers.
+"""The native decode step (model/native_decode.py, native/decode.c::decode_step) against the PyTorch layers.
 
 Both paths run on one stage's weights and one KV pool: a native step must give the hidden states
 and the K/V writes of the PyTorch layers within 1e-3 of the largest value (float32 rounding, and
@@ -107,15 +107,15 @@ def test_steps_it_does_not_take(model_dir: Path) -> None:
         [PrefillSpan(1, 1, 19, batch.decodes[0].block_tables[1])],
     )  # fmt: skip
     assert not model.native.accepts(with_prefill, 2, pool)
-    assert not model.native.accepts(batch, 2, pool.double())  # a pool dtype q4.c does not read
+    assert not model.native.accepts(batch, 2, pool.double())  # a pool dtype the native kernels does not read
     _, big, pool = _decode_batch(model, [8] * (MAX_ROWS + 1), [MAX_ROWS + 1], seed=4)
     assert not model.native.accepts(big, MAX_ROWS + 1, pool)
 
 
 def test_which_stages_have_a_native_step(model_dir: Path, tmp_path: Path) -> None:
-    """int4, int8 (Q8Linear) and float32 stages whose widths suit q4.c (multiples of 16) have one,
-    and keep float32 weights dense for it; a float32 model of other widths keeps its oneDNN-packed
-    weights and the PyTorch layers."""
+    """int4, int8 (Q8Linear) and float32 stages whose widths suit the native kernels (multiples of
+    16) have one, and keep float32 weights dense for it; a float32 model of other widths keeps its
+    oneDNN-packed weights and the PyTorch layers."""
     float_stage = _stage(model_dir, "none")
     assert float_stage.native is not None
     assert not any(m.weight.is_mkldnn for m in float_stage.modules() if isinstance(m, Linear))
@@ -152,7 +152,7 @@ def test_engine_greedy_ids_are_the_same_with_and_without_it(
 
 
 def test_float32_engine_with_the_native_step_matches_hf(model_dir: Path) -> None:
-    """A float32 model whose widths suit q4.c decodes through the native step, and the engine's
+    """A float32 model whose widths suit the native kernels decodes through the native step, and the engine's
     greedy ids are transformers' (HF-exact holds on this path: sums in another order only)."""
     from conftest import assert_matches_hf, random_prompts
     from pipeserve.entrypoints.llm import LLM

@@ -1,8 +1,8 @@
-"""The native CPU kernels of q4.c, compiled on first use with the machine's C compiler.
+"""The native CPU kernels (common.c, q4.c, dense.c, decode.c), compiled at first use by the C compiler.
 
 Why native: a decode step of a small quantized model is op-call bound in PyTorch (~200 ATen calls
 per layer, most of them views and casts; benchmarks/RESULTS.md, issue 22), while its weights are
-read in a few milliseconds. q4.c runs a whole stage's decode step in one call and the 4-bit
+read in a few milliseconds. decode.c runs a whole stage's decode step in one call and the 4-bit
 projections of any step, reading quant.py's nibble layout directly.
 
 The shared object is built once per (source, compiler flags, CPU) under $PIPESERVE_HOME/native
@@ -29,7 +29,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("q4.c")
+HERE = Path(__file__).parent
+# One library from these (native.h is their shared header): the build's inputs and its cache key.
+SOURCES = [HERE / name for name in ("common.c", "q4.c", "dense.c", "decode.c")]
+HEADER = HERE / "native.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120.0
 
@@ -50,13 +53,15 @@ def _cpu_id() -> str:
 
 def library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_id().encode()):
+    for path in (*SOURCES, HEADER):
+        key.update(path.read_bytes())
+    for part in (" ".join([compiler, *FLAGS]).encode(), _cpu_id().encode()):
         key.update(part)
     return cache_dir() / f"q4-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str) -> Path:
-    """Compile q4.c (if not already cached) and return the shared object's path; raises on failure."""
+    """Compile the sources (if not already cached) and return the shared object's path; raises on failure."""
     target = library_path(compiler)
     if target.exists():
         return target
@@ -65,7 +70,7 @@ def build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             timeout=BUILD_TIMEOUT_S,
@@ -77,27 +82,27 @@ def build(compiler: str) -> Path:
     return target
 
 
-# Up to INT_ROWS rows q4.c dequantizes each weight chunk in registers and, on AVX2, quantizes x to
-# int8 per 32 elements for an integer dot (q4.c's INT_ROWS); up to FUSED_ROWS rows it multiplies on
+# Up to INT_ROWS rows the kernels dequantize each weight chunk in registers and, on AVX2, quantizes x to
+# int8 per 32 elements for an integer dot (native.h's INT_ROWS); up to FUSED_ROWS rows it multiplies on
 # float tiles of the weight; above, the weight is dequantized to float32 and multiplied by torch
 # (oneDNN/MKL), faster at prefill sizes (benchmarks/RESULTS.md, issue 22).
 INT_ROWS = 16
 FUSED_ROWS = 256
 
 
-# q4.c's projection kinds (Q4.kind).
+# decode.c's projection kinds (Q4.kind).
 W_Q4, W_F32, W_Q8 = 0, 1, 2
-# A dense float32 weight goes through q4.c up to this many rows (decode steps, short chunks); above,
-# torch's GEMM (MKL) is faster. Its K must be a multiple of F32_K_MULTIPLE (the kernel's unroll).
+# A dense float32 weight goes through dense.c up to this many rows (decode steps, short chunks);
+# above, torch's GEMM (MKL) is faster. Its K must be a multiple of F32_K_MULTIPLE (the kernel's unroll).
 F32_ROWS = 32
 F32_K_MULTIPLE = 16
 
-# The pool dtypes q4.c reads and writes (its KV_F32, KV_F16, KV_BF16).
+# The pool dtypes decode.c reads and writes (its KV_F32, KV_F16, KV_BF16).
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class Q4(ctypes.Structure):
-    """q4.c's Q4: one projection, a nibble-layout weight (kind W_Q4), a dense float32 one (W_F32:
+    """decode.c's Q4: one projection, a nibble-layout weight (kind W_Q4), a dense float32 one (W_F32:
     `q` points at it, s and z are NULL) or Q8_0 blocks (W_Q8: int8 in `q`, float32 scales in `s`);
     bias may be NULL."""
 
@@ -114,7 +119,7 @@ class Q4(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """q4.c's Layer: a decoder layer's norm weights and projections."""
+    """decode.c's Layer: a decoder layer's norm weights and projections."""
 
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
@@ -127,7 +132,7 @@ class Layer(ctypes.Structure):
 
 
 class Dims(ctypes.Structure):
-    """q4.c's Dims: the model's sizes and the KV pool's geometry."""
+    """decode.c's Dims: the model's sizes and the KV pool's geometry."""
 
     _fields_ = [
         ("hidden", ctypes.c_int),
@@ -211,17 +216,17 @@ class Native:
         return y
 
     def _threads(self) -> None:
-        """q4.c's regions take torch's thread count for the calling thread: libgomp's own default
-        ignores torch.set_num_threads in threads started after it (the stage's engine thread)."""
+        """The kernels' parallel regions take torch's thread count for the calling thread: libgomp's
+        own default ignores torch.set_num_threads in threads started after it (the engine thread)."""
         self._set_threads(torch.get_num_threads())
 
     def decode_step(self, *args: object) -> None:
-        """q4.c's decode_step (its C signature; model/native_decode.py builds the arguments)."""
+        """decode.c's decode_step (its C signature; model/native_decode.py builds the arguments)."""
         self._threads()
         self._decode_step(*args)
 
     def decode_attention(self, *args: object) -> None:
-        """q4.c's decode_attention (its C signature; the tests call it)."""
+        """decode.c's decode_attention (its C signature; the tests call it)."""
         self._threads()
         self._decode_attention(*args)
 

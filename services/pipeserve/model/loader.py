@@ -257,6 +257,10 @@ def load_stage_model(
     quantize_model(model, quantization, group_size)
     model.pack_weights()
     if model.use_native_decode():  # last: it holds pointers to the weights as they now are
-        log.info("stage %d: decode steps of up to %d rows run natively (q4.c)", stage.rank, NATIVE_MAX_ROWS)
+        log.info(
+            "stage %d: decode steps of up to %d rows run natively (the native kernels)",
+            stage.rank,
+            NATIVE_MAX_ROWS,
+        )
     return_freed_memory()  # the load's temporaries (~200 MB for the default model in gguf mode)
     return model

@@ -1,8 +1,8 @@
-"""A stage's decode step in one native call (pipeserve_kernels.native, q4.c::decode_step).
+"""A stage's decode step in one native call (pipeserve_kernels.native, decode.c::decode_step).
 
 Why: a decode step of a small model is op-call bound in PyTorch (~200 ATen calls per layer for a
 4-bit one, ~0.5 ms of dispatch and Python per layer against ~0.1 ms of weight reads;
-benchmarks/RESULTS.md, issue 22). q4.c runs every layer of the stage for the step's rows in one
+benchmarks/RESULTS.md, issue 22). decode.c runs every layer of the stage for the step's rows in one
 call: norms, the projections, rotary, the KV store, paged attention, SiLU and the residuals, in
 float32.
 
@@ -11,8 +11,8 @@ MAX_ROWS rows, and the pool is float32, float16 or bfloat16. Every other step ru
 layers on the same weights and the same pool: the two paths interleave freely. Equal to the
 PyTorch path within float32 rounding (tests/model/test_native_decode.py).
 
-Built for stages whose every decoder projection is one q4.c reads: an Int4Linear in the nibble
-layout (`--quantization int4|gguf` on a CPU with q4.c), a Q8Linear (`int8`), or a dense float32
+Built for stages whose every decoder projection is one the native kernels read: an Int4Linear in the nibble
+layout (`--quantization int4|gguf` on a CPU with the native kernels), a Q8Linear (`int8`), or a dense float32
 Linear (the float32 path on such a CPU, where the weights are kept dense instead of packed for
 oneDNN), with float32 activations.
 """
@@ -28,13 +28,13 @@ from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear, native_ke
 from pipeserve_kernels.cpu_linear import native_weight
 from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, W_Q8, Dims, Layer
 
-# The most decode rows one native step takes: q4.c's fused matmul beats torch's batched one below
+# The most decode rows one native step takes: the native fused products beats torch's batched one below
 # this (benchmarks/RESULTS.md, issue 22).
 MAX_ROWS = 32
 
 
 def _q4(lin: torch.nn.Module) -> Q4:
-    """q4.c's view of one projection (_servable checked it is one of the two kinds)."""
+    """decode.c's view of one projection (_servable checked it is one of the two kinds)."""
     b = getattr(lin, "bias", None)
     bias = b.data_ptr() if isinstance(b, torch.Tensor) else None
     if isinstance(lin, Int4Linear):
@@ -47,12 +47,12 @@ def _q4(lin: torch.nn.Module) -> Q4:
     if isinstance(lin, Q8Linear):
         n, k = lin.qweight.shape
         return Q4(lin.qweight.data_ptr(), lin.scales.data_ptr(), None, bias, n, k, 0, W_Q8)
-    raise TypeError(f"{type(lin).__name__} is not a projection q4.c reads")
+    raise TypeError(f"{type(lin).__name__} is not a projection the native kernels read")
 
 
 def _projection_kind(p: torch.nn.Module) -> int | None:
-    """W_Q4 for a CPU Int4Linear in the nibble layout, W_F32 for a dense float32 Linear q4.c reads
-    (not packed for oneDNN), W_Q8 for a Q8Linear, else None."""
+    """W_Q4 for a CPU Int4Linear in the nibble layout, W_F32 for a dense float32 Linear (not packed
+    for oneDNN), W_Q8 for a Q8Linear, else None."""
     if isinstance(p, Int4Linear) and p.layout == NIBBLE_LAYOUT and p.qweight.device.type == "cpu":
         return W_Q4
     if isinstance(p, Linear) and native_weight(p.weight):
@@ -63,7 +63,7 @@ def _projection_kind(p: torch.nn.Module) -> int | None:
 
 
 def _servable(layer: DecoderLayer) -> bool:
-    """Every projection of one kind q4.c reads; float32 norms."""
+    """Every projection of one kind the native kernels read; float32 norms."""
     projections = (
         layer.self_attn.qkv_proj,
         layer.self_attn.o_proj,
@@ -82,9 +82,9 @@ class NativeDecoder:
     def __init__(self, layers: list[DecoderLayer], rms_norm_eps: float) -> None:
         kernels = native_kernels()
         if kernels is None or not layers or not all(_servable(layer) for layer in layers):
-            raise ValueError("the native decode step needs q4.c and projections it reads")
+            raise ValueError("the native decode step needs the native kernels and projections it reads")
         if layers[0].self_attn.head_dim % 16:
-            raise ValueError("q4.c's attention reads heads in vectors of 16 floats")
+            raise ValueError("decode.c's attention reads heads in vectors of 16 floats")
         self._kernels = kernels
         attn, mlp = layers[0].self_attn, layers[0].mlp
         self.num_layers = len(layers)

@@ -7,11 +7,11 @@
 
 Int4Linear keeps one of two layouts (`layout`), chosen by the device it lives on:
 - "nibbles" (uint8 [N, K/2], scales/zeros [2, N, K/g]), read by our own kernels: Triton on CUDA (or
-  anywhere under PIPESERVE_KERNELS=triton), and on the CPU pipeserve_kernels.native's q4.c, compiled
+  anywhere under PIPESERVE_KERNELS=triton), and on the CPU pipeserve_kernels.native (C, compiled
   at first use, which also runs a stage's whole decode step (model/native_decode.py). Activations
   stay float32.
-- "int4pack", torch's `aten._weight_int4pack_mm_for_cpu`, on a CPU where q4.c cannot be built (no
-  C compiler) or under PIPESERVE_KERNELS=torch.
+- "int4pack", torch's `aten._weight_int4pack_mm_for_cpu`, on a CPU where the native kernels cannot
+  be built (no C compiler) or under PIPESERVE_KERNELS=torch.
 It converts between them exactly when moved (`.to()`), so a module built on one device serves on
 another. Int8 runs torch's `aten._weight_int8pack_mm` on the CPU and Triton on CUDA.
 
@@ -45,7 +45,7 @@ def triton_path(device: torch.device) -> bool:
 
 
 def native_kernels() -> Native | None:
-    """pipeserve_kernels' native CPU kernels (q4.c) where the backend is auto and they build."""
+    """pipeserve_kernels' native CPU kernels (the native kernels) where the backend is auto and they build."""
     import pipeserve_kernels
     from pipeserve_kernels import native
 
@@ -53,7 +53,8 @@ def native_kernels() -> Native | None:
 
 
 def int4_layout(device: torch.device) -> str:
-    """The nibble layout where a kernel of ours reads it (Triton; q4.c on the CPU), else int4pack."""
+    """The nibble layout where a kernel of ours reads it (Triton; the native ones on the CPU), else
+    int4pack."""
     if triton_path(device) or (device.type == "cpu" and native_kernels() is not None):
         return NIBBLE_LAYOUT
     return INT4PACK_LAYOUT
@@ -247,7 +248,7 @@ class Int4Linear(nn.Module):
 
             sz = self.scales_and_zeros
             y = int4_linear(x2.contiguous(), self.qweight, sz[0], sz[1], self.group)
-        elif self.layout == NIBBLE_LAYOUT:  # the CPU with q4.c
+        elif self.layout == NIBBLE_LAYOUT:  # the CPU with the native kernels
             sz = self.scales_and_zeros
             kernels = native_kernels()
             if kernels is None:  # the layout is chosen only where it loaded
@@ -279,7 +280,7 @@ def quantize_q8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.
 
 
 class Q8Linear(nn.Module):
-    """w = q * d over blocks of 32 along the input dim (GGUF's Q8_0), served by q4.c's q8_matmul.
+    """w = q * d over blocks of 32 along the input dim (GGUF's Q8_0), served by dense.c's q8_matmul.
 
     Built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF file's
     Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float weight

@@ -1,0 +1,135 @@
+/* 8-bit (Q8_0 blocks) and dense float32 projections. */
+#include "native.h"
+
+/* ---- 8-bit weights in Q8_0 blocks: w[n, k] = q[n, k] * d[n, k / 32], q int8, d float32 ---- */
+
+static void q8_dequant_rows(const int8_t *q, const float *d, int k, int n0, int rows, float *tile) {
+    for (int r = 0; r < rows; r++) {
+        const int8_t *qr = q + (size_t)(n0 + r) * k;
+        const float *dr = d + (size_t)(n0 + r) * (k / 32);
+        float *t = tile + (size_t)r * k;
+        for (int c = 0; c < k; c += 16) {
+            v16b b;
+            memcpy(&b, qr + c, sizeof b);
+            typedef int8_t v16s8 __attribute__((vector_size(16)));
+            store16(t + c, __builtin_convertvector(__builtin_convertvector((v16s8)b, v16i), v16) * dr[c / 32]);
+        }
+    }
+}
+
+#if defined(__AVX2__)
+static inline __attribute__((always_inline)) void q8_rows_int(const QX *x, const int m, int k, const int8_t *q,
+                                                              const float *d, int n0, int n1, int n,
+                                                              const float *bias, float *y) {
+    int chunks = k / 32;
+    for (int r = n0; r < n1; r++) {
+        const int8_t *qr = q + (size_t)r * k;
+        const float *dr = d + (size_t)r * chunks;
+        __m256 acc[SMALL_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        for (int c = 0; c < chunks; c++) {
+            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + c * 32)));
+            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + c * 32 + 16)));
+            for (int i = 0; i < m; i++) {
+                const int16_t *xq = x->q + (size_t)i * k + c * 32;
+                __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq)),
+                                               _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dr[c] * x->dx[(size_t)i * chunks + c]),
+                                         acc[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            y[(size_t)i * n + r] = _mm_cvtss_f32(h) + (bias ? bias[r] : 0.f);
+        }
+    }
+}
+
+static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const float *d, int n0, int n1, int n,
+                            const float *bias, float *y) {
+    int chunks = k / 32;
+    for (int i0 = 0; i0 < m; i0 += SMALL_M) {
+        QX xi = {x->q + (size_t)i0 * k, x->dx + (size_t)i0 * chunks, x->sum + (size_t)i0 * chunks};
+        float *yi = y + (size_t)i0 * n;
+#define Q8_ROWS_INT(M) q8_rows_int(&xi, M, k, q, d, n0, n1, n, bias, yi)
+        WITH_CONSTANT_ROWS(m - i0, Q8_ROWS_INT)
+#undef Q8_ROWS_INT
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) for Q8_0 blocks (K % 32 == 0); x in its natural order. */
+void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias, float *y) {
+#if defined(__AVX2__)
+    if (m <= INT_ROWS) {
+        int chunks = k / 32, per = 16, tasks = (n + per - 1) / per;
+        float *qxf = scratch(4, (size_t)m * (k / 2 + 2 * chunks));
+        QX qx = {(int16_t *)qxf, qxf + (size_t)m * k / 2, qxf + (size_t)m * (k / 2 + chunks)};
+        quantize_x(x, m, k, &qx);
+#pragma omp parallel for schedule(static) num_threads(threads())
+        for (int t = 0; t < tasks; t++) {
+            int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+            q8_rows_int_any(&qx, m, k, q, d, n0, n1, n, bias, y);
+        }
+        return;
+    }
+#endif
+    int nb = 64, tiles = (n + nb - 1) / nb;
+#pragma omp parallel for schedule(static) num_threads(threads())
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * nb, rows = n0 + nb <= n ? nb : n - n0;
+        float *tile = scratch(0, (size_t)nb * k);
+        q8_dequant_rows(q, d, k, n0, rows, tile);
+        tile_matmul(x, m, k, tile, rows, n0, n, bias, y);
+    }
+}
+
+/* ---- float32 weights (--quantization none): few rows, read at the memory's rate ---- */
+
+/* y rows [n0, n1) for m (<= SMALL_M, constant when inlined) rows of x; one row of x keeps four
+ * accumulators so the FMA chain does not bound the weight stream. K % 16 == 0. */
+static inline __attribute__((always_inline)) void f32_rows(const float *x, const int m, int k, const float *w,
+                                                           int n0, int n1, int n, const float *bias, float *y) {
+    for (int r = n0; r < n1; r++) {
+        const float *wr = w + (size_t)r * k;
+        float out[SMALL_M];
+        if (m == 1) {
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            int c = 0;
+            for (; c + 64 <= k; c += 64) {
+                a0 += load16(x + c) * load16(wr + c);
+                a1 += load16(x + c + 16) * load16(wr + c + 16);
+                a2 += load16(x + c + 32) * load16(wr + c + 32);
+                a3 += load16(x + c + 48) * load16(wr + c + 48);
+            }
+            for (; c < k; c += 16) a0 += load16(x + c) * load16(wr + c);
+            out[0] = hsum16((a0 + a1) + (a2 + a3));
+        } else {
+            v16 acc[SMALL_M] = {{0}};
+            for (int c = 0; c < k; c += 16) {
+                v16 wv = load16(wr + c);
+                for (int i = 0; i < m; i++) acc[i] += load16(x + (size_t)i * k + c) * wv;
+            }
+            for (int i = 0; i < m; i++) out[i] = hsum16(acc[i]);
+        }
+        for (int i = 0; i < m; i++) y[(size_t)i * n + r] = out[i] + (bias ? bias[r] : 0.f);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) for a float32 W [N, K]; any M, fastest where M is small. */
+void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y) {
+    int per = 16, tasks = (n + per - 1) / per;
+#pragma omp parallel for schedule(static) num_threads(threads())
+    for (int t = 0; t < tasks; t++) {
+        int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+        for (int i0 = 0; i0 < m; i0 += SMALL_M) {
+            const float *xi = x + (size_t)i0 * k;
+            float *yi = y + (size_t)i0 * n;
+#define F32_ROWS(M) f32_rows(xi, M, k, w, n0, n1, n, bias, yi)
+            WITH_CONSTANT_ROWS(m - i0, F32_ROWS)
+#undef F32_ROWS
+        }
+    }
+}

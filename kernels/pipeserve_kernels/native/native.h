@@ -1,0 +1,122 @@
+/* Shared by the native CPU kernels (native/__init__.py compiles common.c, q4.c, dense.c and
+ * decode.c into one library; ctypes calls it, so every exported argument is a plain pointer or
+ * number): 16-float vectors (GCC vector extensions: AVX-512, or two AVX2 halves), their helpers, the
+ * per-thread scratch and thread count, and the row-blocked products the weight kinds share.
+ *
+ * Threads: OpenMP, whose runtime is the one torch loaded (same soname); each region takes
+ * threads(). Scratch is grow-only and per thread; nothing allocates per call once warm.
+ */
+#ifndef PIPESERVE_NATIVE_H
+#define PIPESERVE_NATIVE_H
+
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum16(v16 v) { /* a tree, not 16 dependent adds */
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Lane-wise select (C has no vector ?:): mask lanes are -1 (take a) or 0 (take b). */
+static inline v16 vsel(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+static inline v16 vmax(v16 a, v16 b) { return vsel(a > b, a, b); }
+static inline v16 vmin(v16 a, v16 b) { return vsel(a < b, a, b); }
+
+/* exp over 16 lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]); inputs below -87 give ~0. */
+static inline v16 vexp(v16 x) {
+    const v16 zero = {0};
+    x = vmin(vmax(x, zero - 87.f), zero + 88.f);
+    v16 t = x * 1.44269504088896341f;
+    v16 n = __builtin_convertvector(__builtin_convertvector(t, v16i), v16);
+    n += __builtin_convertvector(n > t, v16);         /* floor(t): true lanes are -1 */
+    n -= __builtin_convertvector(t - n >= 0.5f, v16); /* nearest */
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v16 e = p * r * r + r + 1.f;
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return e * (v16)bits;
+}
+
+static inline float bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 16 nibble values q -> the floats q - 8 (exact), the factor the scale multiplies. */
+static inline v16 nibbles(v16b q) { return __builtin_convertvector(__builtin_convertvector(q, v16i) - 8, v16); }
+
+/* The threads of a parallel region (common.c): the caller's set_threads, else libgomp's default. */
+int threads(void);
+
+/* Grow-only per-thread buffer `slot` of at least n floats, 64-byte aligned (common.c). Slots: 0
+ * weight tiles, 1 reordered x, 2 attention scores, 3 decode-step activations, 4 quantized x,
+ * 5 attention partials. */
+float *scratch(int slot, size_t n);
+
+#define SMALL_M 4
+/* CALL(M) with M the constant 1..SMALL_M equal to min(rows, SMALL_M): the row kernels are always
+ * inlined, so each constant gets its own copy with its accumulators in registers. */
+#define WITH_CONSTANT_ROWS(rows, CALL)                                                                      \
+    switch ((rows) < SMALL_M ? (rows) : SMALL_M) {                                                           \
+    case 1: CALL(1); break;                                                                                  \
+    case 2: CALL(2); break;                                                                                  \
+    case 3: CALL(3); break;                                                                                  \
+    default: CALL(SMALL_M); break;                                                                           \
+    }
+#define INT_ROWS 16 /* up to this many rows of x, the fused (int8 x on AVX2) path */
+
+void tile_matmul(const float *xp, int m, int k, const float *tile, int rows, int n0, int n,
+                        const float *bias, float *y);
+
+#if defined(__AVX2__)
+/* The integer path: x quantized to int16 per 32-element chunk (xq = round(x / dx), dx = max|x| /
+ * 32767: a relative rounding of 2^-16 of the chunk's largest value, finer than the bfloat16 that
+ * torch's int4 kernel takes), so a chunk's dot is two s16 x s16 pair-products (AVX2 madd):
+ *   sum x w = s dx sum xq q  +  (z - 8 s) sum x      (w = q s + (z - 8 s), q the raw nibble)
+ * ~2.5x the float path's rate at one row. */
+typedef struct {
+    int16_t *q; /* [m, K] de-interleaved order */
+    float *dx;  /* [m, K/32] */
+    float *sum; /* [m, K/32] sums of x over each chunk */
+} QX;
+
+/* xp [m, K] -> out: per 32-element chunk, int16 values, their scale and their float sum. */
+void quantize_x(const float *xp, int m, int k, QX *out);
+#endif
+
+/* The weight kinds' products (q4.c, dense.c), y [M, N] = x [M, K] @ W^T (+ bias). */
+void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, const uint16_t *s,
+                           const uint16_t *z, int n, int g, const float *bias, float *y);
+void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias, float *y);
+void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y);
+
+#endif
