@@ -82,8 +82,8 @@ def build(compiler: str) -> Path:
     return target
 
 
-# Up to INT_ROWS rows the kernels dequantize each weight chunk in registers and, on AVX2, quantizes x to
-# int8 per 32 elements for an integer dot (native.h's INT_ROWS); up to FUSED_ROWS rows it multiplies on
+# Up to INT_ROWS rows (native.h) the kernels dequantize each weight chunk in registers and, on AVX2,
+# quantize x to int16 per 32 elements for an integer dot; up to FUSED_ROWS rows they multiply on
 # float tiles of the weight; above, the weight is dequantized to float32 and multiplied by torch
 # (oneDNN/MKL), faster at prefill sizes (benchmarks/RESULTS.md, issue 22).
 INT_ROWS = 16

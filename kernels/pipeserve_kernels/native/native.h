@@ -92,7 +92,7 @@ float *scratch(int slot, size_t n);
     case 3: CALL(3); break;                                                                                  \
     default: CALL(SMALL_M); break;                                                                           \
     }
-#define INT_ROWS 16 /* up to this many rows of x, the fused (int8 x on AVX2) path */
+#define INT_ROWS 16 /* up to this many rows of x, the fused (int16 x on AVX2) path */
 
 void tile_matmul(const float *xp, int m, int k, const float *tile, int rows, int n0, int n,
                         const float *bias, float *y);
