@@ -62,8 +62,10 @@ void tile_matmul(const float *xp, int m, int k, const float *tile, int rows, int
 }
 
 #if defined(__AVX2__)
-void quantize_x(const float *xp, int m, int k, QX *out) {
+QX quantize_x(const float *xp, int m, int k) {
     int chunks = k / 32;
+    float *room = scratch(4, (size_t)m * (k / 2 + 2 * chunks)); /* int16 values, then dx, then sums */
+    QX out = {(int16_t *)room, room + (size_t)m * k / 2, room + (size_t)m * (k / 2 + chunks)};
     for (int i = 0; i < m; i++)
         for (int c = 0; c < chunks; c++) {
             const float *v = xp + (size_t)i * k + c * 32;
@@ -74,10 +76,11 @@ void quantize_x(const float *xp, int m, int k, QX *out) {
                 sum += v[j];
             }
             float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
-            int16_t *q = out->q + (size_t)i * k + c * 32;
+            int16_t *q = out.q + (size_t)i * k + c * 32;
             for (int j = 0; j < 32; j++) q[j] = (int16_t)lrintf(v[j] * inv);
-            out->dx[(size_t)i * chunks + c] = d;
-            out->sum[(size_t)i * chunks + c] = sum;
+            out.dx[(size_t)i * chunks + c] = d;
+            out.sum[(size_t)i * chunks + c] = sum;
         }
+    return out;
 }
 #endif

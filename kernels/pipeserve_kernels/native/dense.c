@@ -49,9 +49,8 @@ static inline __attribute__((always_inline)) void q8_rows_int(const QX *x, const
 
 static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const float *d, int n0, int n1, int n,
                             const float *bias, float *y) {
-    int chunks = k / 32;
     for (int i0 = 0; i0 < m; i0 += SMALL_M) {
-        QX xi = {x->q + (size_t)i0 * k, x->dx + (size_t)i0 * chunks, x->sum + (size_t)i0 * chunks};
+        QX xi = qx_rows(x, i0, k);
         float *yi = y + (size_t)i0 * n;
 #define Q8_ROWS_INT(M) q8_rows_int(&xi, M, k, q, d, n0, n1, n, bias, yi)
         WITH_CONSTANT_ROWS(m - i0, Q8_ROWS_INT)
@@ -64,10 +63,8 @@ static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const fl
 void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias, float *y) {
 #if defined(__AVX2__)
     if (m <= INT_ROWS) {
-        int chunks = k / 32, per = 16, tasks = (n + per - 1) / per;
-        float *qxf = scratch(4, (size_t)m * (k / 2 + 2 * chunks));
-        QX qx = {(int16_t *)qxf, qxf + (size_t)m * k / 2, qxf + (size_t)m * (k / 2 + chunks)};
-        quantize_x(x, m, k, &qx);
+        int per = 16, tasks = (n + per - 1) / per;
+        QX qx = quantize_x(x, m, k);
 #pragma omp parallel for schedule(static) num_threads(threads())
         for (int t = 0; t < tasks; t++) {
             int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;

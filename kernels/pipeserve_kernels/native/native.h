@@ -109,8 +109,14 @@ typedef struct {
     float *sum; /* [m, K/32] sums of x over each chunk */
 } QX;
 
-/* xp [m, K] -> out: per 32-element chunk, int16 values, their scale and their float sum. */
-void quantize_x(const float *xp, int m, int k, QX *out);
+/* xp [m, K] -> per 32-element chunk, int16 values, their scale and their float sum, held in the
+ * calling thread's scratch slot 4 (valid until its next call). */
+QX quantize_x(const float *xp, int m, int k);
+
+/* The rows of x from row i0 on. */
+static inline QX qx_rows(const QX *x, int i0, int k) {
+    return (QX){x->q + (size_t)i0 * k, x->dx + (size_t)i0 * (k / 32), x->sum + (size_t)i0 * (k / 32)};
+}
 #endif
 
 /* The weight kinds' products (q4.c, dense.c), y [M, N] = x [M, K] @ W^T (+ bias). */

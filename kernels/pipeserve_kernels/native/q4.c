@@ -109,8 +109,7 @@ static inline __attribute__((always_inline)) void rows_int(const QX *x, const in
 static void rows_int_any(const QX *x, int m, int k, const uint8_t *q, const uint16_t *s, const uint16_t *z, int g,
                          int n0, int n1, int n, const float *bias, float *y) {
     for (int i0 = 0; i0 < m; i0 += SMALL_M) {
-        int chunks = k / 32;
-        QX xi = {x->q + (size_t)i0 * k, x->dx + (size_t)i0 * chunks, x->sum + (size_t)i0 * chunks};
+        QX xi = qx_rows(x, i0, k);
         float *yi = y + (size_t)i0 * n;
 #define ROWS_INT(M) rows_int(&xi, M, k, q, s, z, g, n0, n1, n, bias, yi)
         WITH_CONSTANT_ROWS(m - i0, ROWS_INT)
@@ -140,10 +139,7 @@ void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, c
         int per = 16; /* output rows per task: whole cache lines of y, many tasks to balance */
         int tasks = (n + per - 1) / per;
 #if defined(__AVX2__)
-        int chunks = k / 32;
-        float *qxf = scratch(4, (size_t)m * (k / 2 + 2 * chunks));
-        QX qx = {(int16_t *)qxf, qxf + (size_t)m * k / 2, qxf + (size_t)m * (k / 2 + chunks)};
-        quantize_x(xp, m, k, &qx);
+        QX qx = quantize_x(xp, m, k);
 #pragma omp parallel for schedule(static) num_threads(threads())
         for (int t = 0; t < tasks; t++) {
             int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
