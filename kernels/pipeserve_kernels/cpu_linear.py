@@ -42,15 +42,19 @@ CHUNK_ROWS = 256
 BATCH_HINT = 1
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """A weight oneDNN can pack here: float32, 2-D, on the CPU, oneDNN present."""
+def _dense_cpu_float32(weight: torch.Tensor) -> bool:
+    """A plain (not yet packed) 2-D float32 weight on the CPU: what either fast path starts from."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.dim() == 2
         and not weight.is_mkldnn
-        and torch.backends.mkldnn.is_available()
     )
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """A weight oneDNN can pack here: float32, 2-D, on the CPU, oneDNN present."""
+    return _dense_cpu_float32(weight) and torch.backends.mkldnn.is_available()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -74,14 +78,7 @@ def row_pieces(rows: int) -> list[tuple[int, int, int]]:
 
 def native_weight(weight: torch.Tensor) -> bool:
     """A weight the native kernels' float32 product reads (native.f32_linear): kept dense, not packed."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and not weight.is_mkldnn
-        and weight.is_contiguous()
-        and weight.shape[1] % F32_K_MULTIPLE == 0
-    )
+    return _dense_cpu_float32(weight) and weight.is_contiguous() and weight.shape[1] % F32_K_MULTIPLE == 0
 
 
 def linear(

@@ -42,6 +42,19 @@ def test_dequant_is_the_nibble_weight(group: int) -> None:
     torch.testing.assert_close(KERNELS.int4_dequant(qn, s, z, group), w, atol=1e-6, rtol=1e-6)
 
 
+def _assert_close_to(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y [M, N] of a product of x [M, K] and w [N, K] against its float64 `ref`: within 1e-5 of max
+    |ref| above INT_ROWS rows (float products), else within the bound x's int16 rounding implies."""
+    rows, k = x.shape
+    err = (y.double() - ref).abs()
+    if rows > INT_ROWS:
+        assert err.max().item() <= 1e-5 * ref.abs().max().item()
+    else:
+        chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
+        bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
+        assert bool((err <= bound).all()), (err / bound).max().item()
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, INT_ROWS, INT_ROWS + 1, 100, FUSED_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> None:
@@ -52,13 +65,7 @@ def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> No
     b = torch.randn(n, generator=g) if bias else None
     y = KERNELS.int4_linear(x, qn, s, z, group, b)
     ref = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
-    err = (y.double() - ref).abs()
-    if rows > INT_ROWS:
-        assert err.max().item() <= 1e-5 * ref.abs().max().item()
-    else:
-        chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
-        bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
-        assert bool((err <= bound).all()), (err / bound).max().item()
+    _assert_close_to(y, ref, x, w)
 
 
 def _dims(
@@ -109,13 +116,7 @@ def test_int8_linear_is_its_q8_0_blocks(rows: int) -> None:
     b = torch.randn(n, generator=g)
     y = KERNELS.int8_linear(x, q, d, b)
     ref = x.double() @ w.double().t() + b.double()
-    err = (y.double() - ref).abs()
-    if rows > INT_ROWS:
-        assert err.max().item() <= 1e-5 * ref.abs().max().item()
-    else:
-        chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
-        bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
-        assert bool((err <= bound).all()), (err / bound).max().item()
+    _assert_close_to(y, ref, x, w)
 
 
 @pytest.mark.parametrize("k", [192, 208])  # 208: a tail past the 64-wide unroll
