@@ -107,7 +107,7 @@ def test_steps_it_does_not_take(model_dir: Path) -> None:
         [PrefillSpan(1, 1, 19, batch.decodes[0].block_tables[1])],
     )  # fmt: skip
     assert not model.native.accepts(with_prefill, 2, pool)
-    assert not model.native.accepts(batch, 2, pool.double())  # a pool dtype the native kernels does not read
+    assert not model.native.accepts(batch, 2, pool.double())  # a pool dtype the native kernels do not read
     _, big, pool = _decode_batch(model, [8] * (MAX_ROWS + 1), [MAX_ROWS + 1], seed=4)
     assert not model.native.accepts(big, MAX_ROWS + 1, pool)
 

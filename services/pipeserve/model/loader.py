@@ -258,7 +258,7 @@ def load_stage_model(
     model.pack_weights()
     if model.use_native_decode():  # last: it holds pointers to the weights as they now are
         log.info(
-            "stage %d: decode steps of up to %d rows run natively (the native kernels)",
+            "stage %d: decode steps of up to %d rows run natively (pipeserve_kernels.native)",
             stage.rank,
             NATIVE_MAX_ROWS,
         )

@@ -11,10 +11,10 @@ MAX_ROWS rows, and the pool is float32, float16 or bfloat16. Every other step ru
 layers on the same weights and the same pool: the two paths interleave freely. Equal to the
 PyTorch path within float32 rounding (tests/model/test_native_decode.py).
 
-Built for stages whose every decoder projection is one the native kernels read: an Int4Linear in the nibble
-layout (`--quantization int4|gguf` on a CPU with the native kernels), a Q8Linear (`int8`), or a dense float32
-Linear (the float32 path on such a CPU, where the weights are kept dense instead of packed for
-oneDNN), with float32 activations.
+Built for stages whose every decoder projection is one the native kernels read: an Int4Linear in
+the nibble layout (`--quantization int4|gguf` on a CPU where they build), a Q8Linear (`int8`), or a
+dense float32 Linear (the float32 path on such a CPU, where the weights are kept dense instead of
+packed for oneDNN), with float32 activations.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear, native_ke
 from pipeserve_kernels.cpu_linear import native_weight
 from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, W_Q8, Dims, Layer
 
-# The most decode rows one native step takes: the native fused products beats torch's batched one below
-# this (benchmarks/RESULTS.md, issue 22).
+# The most decode rows one native step takes: below this its products beat torch's batched ones
+# (benchmarks/RESULTS.md, issue 22).
 MAX_ROWS = 32
 
 
 def _q4(lin: torch.nn.Module) -> Q4:
-    """decode.c's view of one projection (_servable checked it is one of the two kinds)."""
+    """decode.c's view of one projection (_servable checked it is one of the three kinds)."""
     b = getattr(lin, "bias", None)
     bias = b.data_ptr() if isinstance(b, torch.Tensor) else None
     if isinstance(lin, Int4Linear):

@@ -45,7 +45,7 @@ def triton_path(device: torch.device) -> bool:
 
 
 def native_kernels() -> Native | None:
-    """pipeserve_kernels' native CPU kernels (the native kernels) where the backend is auto and they build."""
+    """pipeserve_kernels' native CPU kernels where the backend is auto and they build."""
     import pipeserve_kernels
     from pipeserve_kernels import native
 

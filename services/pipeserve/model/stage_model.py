@@ -77,7 +77,7 @@ class StageModel(nn.Module):
 
     def use_native_decode(self) -> bool:
         """Serve small decode-only steps with native_decode.NativeDecoder where this stage's layers
-        allow it (4-bit nibble-layout projections on a CPU with the native kernels); once, after loading."""
+        allow it (every projection one the native kernels read); once, after loading. Returns whether."""
         self.native = NativeDecoder.for_model(list(self.layers), self.cfg.rms_norm_eps)  # type: ignore[arg-type]
         return self.native is not None
 
