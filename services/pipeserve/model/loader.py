@@ -132,12 +132,6 @@ def _header(fpath: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def _stored_bytes(fpath: Path) -> dict[str, int]:
-    """tensor name -> its bytes in a safetensors file (from the header's data offsets; no data read)."""
-    header, _ = _header(fpath)
-    return {k: _bytes(v) for k, v in header.items()}
-
-
 def _read_tensor(f, meta: dict, data_start: int, name: str) -> torch.Tensor:
     """One tensor read from an open safetensors file straight into fresh memory. Plain reads, not
     safe_open's mmap: a mapping keeps every page read resident until it closes, so a stage's load
