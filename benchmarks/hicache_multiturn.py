@@ -6,8 +6,10 @@ previous one out to L2), an L2 per stage and the private Redis (`--hicache-url l
 loopback ports, and measures in one run, each case `--reps` times:
 
   (a) recompute  prefix never seen, on group 0;
-  (b) L3 hit     the same prefix on group 1 (it never saw it: L1 and L2 empty there) once group 0's
-                 store queue drained; stage 0's hit_tokens{tier="l3"} must grow;
+  (b) L3 hit     the same prefix on group 1 (it never saw it: L1 and L2 empty there) once group 0
+                 has seen it a second time (an L1 hit, untimed: the default write policy, second-hit,
+                 stores a prefix when it is seen again) and its store queue drained; stage 0's
+                 hit_tokens{tier="l3"} must grow;
   (c) L2 hit     the previous rep's prefix on group 0, pushed from L1 to L2 by (a);
                  hit_tokens{tier="l2"} must grow;
   (d) restart    every stage of both groups killed, `up` restarts them; once /groups says both are
@@ -93,6 +95,7 @@ def run_reps(c: Cluster, args: argparse.Namespace, rng: np.random.Generator) -> 
         prefix = ids(rng, args.prefix_len)
         stores = metric(c.stage0(g0), "pipeserve:hicache_l3_stores_total")
         cases["recompute"].append(measured(c, g0, prefix + ids(rng, args.suffix_len), rng))
+        measured(c, g0, prefix + ids(rng, args.suffix_len), rng)  # seen again: stored (second-hit)
         c.wait_stored(g0, stores, blocks)
         cases["l3"].append(measured(c, g1, prefix + ids(rng, args.suffix_len), rng))
         cases["l2"].append(measured(c, g0, prev + ids(rng, args.suffix_len), rng))

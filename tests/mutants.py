@@ -439,9 +439,30 @@ MUTANTS = [
     (
         "the L3 writer blocks the stage when its queue is full",
         "services/pipeserve/hicache/writer.py",
-        '            self._queue.put_nowait((block_hash, page.detach().to("cpu", copy=True), tokens))',
-        '            self._queue.put((block_hash, page.detach().to("cpu", copy=True), tokens))',
+        "            slot = self._free.get_nowait()",
+        "            slot = self._free.get()",
         "tests/hicache/test_writer.py -k full",
+    ),
+    (
+        "the L3 write policy stores a block on its first sighting",
+        "services/pipeserve/engine/l3_writes.py",
+        '        if not (self.settings.policy == "always" or shared or seen):',
+        '        if not (self.settings.policy == "always" or shared or True):',
+        "tests/hicache/test_write_policy.py -k 'first_sighting or second_sighting'",
+    ),
+    (
+        "a paced L3 store of a reused block waits past the plan that rewrites the block",
+        "services/pipeserve/engine/block_manager.py",
+        "                self.reuse_hook(bid)",
+        "                pass",
+        "tests/hicache/test_write_policy.py -k reuses",
+    ),
+    (
+        "the L3 writer ignores its rate cap",
+        "services/pipeserve/hicache/writer.py",
+        "        wait = self._cap.book(len(batch) * self.layout.value_bytes)",
+        "        wait = 0.0 * self._cap.book(len(batch) * self.layout.value_bytes)",
+        "tests/hicache/test_writer.py -k rate_cap",
     ),
     (
         "stage 0 uses an L3 prefix when one stage reported a failed load",
@@ -647,7 +668,7 @@ MUTANTS = [
         "a serving-path log call formats a tensor",
         "services/pipeserve/hicache/writer.py",
         'log.warning("L3 unavailable for stage %d: %s", self.layout.stage, e)',
-        'log.warning("L3 unavailable for stage %d: %s (page %s)", self.layout.stage, e, page)',
+        'log.warning("L3 unavailable for stage %d: %s (page %s)", self.layout.stage, e, self._pages[0])',
         "tests/obs/test_logs.py -k serving",
     ),
     (
@@ -1168,7 +1189,7 @@ MUTANTS = [
     ),
     (
         "logit_bias dropped from the plan",
-        "services/pipeserve/engine/scheduler.py",
+        "services/pipeserve/engine/request.py",
         "        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],",
         "        [],",
         "tests/engine/test_penalties.py -k one_stage",

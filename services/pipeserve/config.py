@@ -26,6 +26,8 @@ DEVICES = ("cpu", "cuda")
 # quantize a float checkpoint; gguf serves a converted GGUF's own blocks (model/gguf_blocks.py).
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Which full blocks stage 0 orders written to L3 (engine/l3_writes.py, docs/hicache.md).
+HICACHE_WRITE_POLICIES = ("second-hit", "always")
 T = TypeVar("T")
 
 
@@ -109,7 +111,19 @@ class EngineConfig:
     hicache_load_max_ms: float = 30_000.0
     hicache_timeout_s: float = 1.0  # socket deadline of every Redis call
     hicache_ttl_s: int | None = None  # expiry of stored pages; None: kept until Redis evicts them
-    hicache_write_queue: int = 256  # pages a stage may have queued for L3; more are dropped (counted)
+    # Which full blocks go to L3: second-hit stores a block when it is seen again (its chain hash
+    # committed before, or found in L1/L2: a shared prefix), so prompts seen once cost Redis nothing;
+    # always stores every block on its first computation (write-through).
+    hicache_write_policy: str = field(default="second-hit", metadata={"choices": HICACHE_WRITE_POLICIES})
+    # Each stage's L3 writes, MB/s (stage 0 paces the stores it orders to it, each writer holds to
+    # it): Redis's CPU and bandwidth are taken from serving only this fast. 0: no cap.
+    hicache_write_mb_s: float = 64.0
+    # Each stage's staging buffer for pages waiting to be written (MiB); a page that finds it full is
+    # dropped (counted): the memory L3 writes can take, whatever the traffic.
+    hicache_write_buffer_mb: float = 32.0
+    # The private redis-server of 'local' (pipeserve up, LLM): its maxmemory in MiB, allkeys-lru beyond
+    # (evicted pages are only misses). 0: no limit.
+    hicache_local_maxmemory_mb: int = 1024
     # --- flight recorder (obs/flight.py, docs/observability.md) ---
     flight_records: int = 1024  # plans each stage keeps for a dump (0: no recorder)
     flight_max_mib: float = 64.0  # ... and at most this much memory for them; the oldest go first
@@ -187,7 +201,14 @@ class EngineConfig:
         )
         need(self.hicache_timeout_s > 0, "hicache_timeout_s", "must be > 0")
         need(self.hicache_ttl_s is None or self.hicache_ttl_s >= 1, "hicache_ttl_s", "must be >= 1")
-        need(self.hicache_write_queue >= 1, "hicache_write_queue", "must be >= 1")
+        need(
+            self.hicache_write_policy in HICACHE_WRITE_POLICIES,
+            "hicache_write_policy",
+            f"must be one of {', '.join(HICACHE_WRITE_POLICIES)}",
+        )
+        need(self.hicache_write_mb_s >= 0, "hicache_write_mb_s", "must be >= 0 (0: no cap)")
+        need(self.hicache_write_buffer_mb > 0, "hicache_write_buffer_mb", "must be > 0")
+        need(self.hicache_local_maxmemory_mb >= 0, "hicache_local_maxmemory_mb", "must be >= 0 (0: no limit)")
         need(self.flight_records >= 0, "flight_records", "must be >= 0")
         need(self.flight_max_mib >= 0.01, "flight_max_mib", "must be >= 0.01")
         need(self.flight_dir is None or bool(self.flight_dir), "flight_dir", "must not be empty")

@@ -30,7 +30,10 @@ from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.ring.faults import ENV as FAULTS_ENV
 from serving_support import wait_until
 
-L3 = dict(host_cache_gb=0, hicache_load_base_ms=0, hicache_load_per_block_ms=200)
+# The L3 mechanism under test: every block stored on its first computation.
+L3 = dict(
+    host_cache_gb=0, hicache_load_base_ms=0, hicache_load_per_block_ms=200, hicache_write_policy="always"
+)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """L3 under `pipeserve up` (its private redis-server, the default when redis-server is installed):
-a second group of the same model serves a prefix the first group computed from L3, and a group
+a second group of the same model serves a prefix the first group saw twice from L3 (once is not
+stored: the second-hit policy), and a group
 restarted whole (every stage process killed) serves it from L3 again — asserted from the stages'
 metrics, HF-exact, and reported to the client as cached tokens. The redis-server that `up`
 supervises comes back by itself when it dies."""
@@ -25,9 +26,13 @@ def _group(up: UpProcess, name: str) -> dict:
     return next(g for g in up.groups() if g["name"] == name)
 
 
-def _l3_hit_tokens(group: dict) -> float:
+def _stage0_metric(group: dict, name: str, **labels: str) -> float:
     text = httpx.get(group["health"][0] + "/metrics", timeout=5).text
-    return metric(text, "pipeserve:prefix_cache_hits_total", tier="l3") or 0.0
+    return metric(text, name, **labels) or 0.0
+
+
+def _l3_hit_tokens(group: dict) -> float:
+    return _stage0_metric(group, "pipeserve:prefix_cache_hits_total", tier="l3")
 
 
 def _ids(group: dict, rid: str, prompt: list[int]) -> list[int]:
@@ -46,7 +51,12 @@ def test_l3_is_shared_by_groups_and_survives_a_group_restart(llama_dir: Path, tm
         up.wait_ready()
         assert "L3: private redis-server at redis://127.0.0.1:" in up.log()
         g0, g1 = _group(up, "group-0"), _group(up, "group-1")
-        assert _ids(g0, "a", prompt) == want  # computed on group 0, its pages written to L3
+        # Computed on group 0 and seen once: nothing is written (the default policy, second-hit)...
+        assert _ids(g0, "a", prompt) == want
+        assert _stage0_metric(g0, "pipeserve:hicache_l3_pages_ordered_total") == 0
+        # ... seen again (a prefix-cache hit: shared): its pages are written to L3.
+        assert _ids(g0, "a2", prompt) == want
+        assert _stage0_metric(g0, "pipeserve:hicache_l3_pages_ordered_total") >= 256 // 16
         time.sleep(1.0)  # the stores are asynchronous
         assert _ids(g1, "b", prompt) == want
         assert _l3_hit_tokens(g1) >= 256, "group 1 did not read group 0's pages"

@@ -94,3 +94,40 @@ def test_redis_gone_and_back(caplog: pytest.LogCaptureFixture) -> None:
             writer.close()
             tier.close()
             back.stop()
+
+
+def test_staged_pages_go_in_pipelined_batches() -> None:
+    with LocalRedis() as server:
+        tier = RedisTier(server.url, timeout_s=2.0)
+        writer = PageWriter(tier, LAYOUT, max_queue=64)
+        os.kill(server.proc.pid, signal.SIGSTOP)  # the first batch waits on Redis: the rest pile up
+        try:
+            assert all(writer.submit(h, page(h), tokens=4) for h in range(20))
+            time.sleep(0.2)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert writer.close(timeout_s=10) == 0
+        assert writer.stats.written == 20 and writer.stats.batches <= 3, writer.stats  # not one per page
+        assert tier.present([LAYOUT], list(range(20))) == 20
+        assert torch.equal(tier.load(LAYOUT, [13]).pages[0], page(13))  # staged bytes, header in front
+        tier.close()
+
+
+def test_the_rate_cap_holds_and_the_buffer_is_bounded() -> None:
+    value = LAYOUT.value_bytes
+    with LocalRedis() as server:
+        tier = RedisTier(server.url)
+        # A buffer of 4 pages (its depth: a burst of 4 goes at once), then 8 pages a second.
+        writer = PageWriter(tier, LAYOUT, buffer_bytes=4 * value + 10, rate_bytes_s=8 * value)
+        assert writer.slots == 4 and writer._staging.numel() == 4 * value
+        t0 = time.monotonic()
+        sent = 0
+        while sent < 12:  # the stage offers pages as fast as it can; a full buffer drops them
+            sent += writer.submit(sent, page(sent), tokens=4)
+        wait_for(lambda: writer.stats.written == 12)
+        took = time.monotonic() - t0
+        assert took >= 0.8, took  # 8 pages past the burst at 8 a second
+        assert writer.stats.throttled_s >= 0.6 and writer.stats.dropped_full > 0
+        assert writer.queue_depth == 0
+        writer.close()
+        tier.close()

@@ -36,6 +36,7 @@ SPECIAL = {
     "hicache_url": "redis://127.0.0.1:6390/1",
     "host_cache_gb": 0.25,
     "hicache_ttl_s": 600,
+    "hicache_write_policy": "always",
     "flight_dir": "/tmp/pipeserve-flight-test",
 }
 FIXED = {  # what `pipeserve up` sets itself or from its own flags (config: fields)

@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +84,9 @@ class BlockManager:
         self._req_hashes: dict[str, list[int]] = {}
         self.host = host if enable_prefix_caching else None
         self.pending_saves: list[BlockCopy] = []  # L1 -> L2 copies for the plan being built
+        # Told of every block allocate() hands out, before anything writes it (engine/l3_writes.py:
+        # an L3 store of the block's old content still waiting goes with the plan being built).
+        self.reuse_hook: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -149,9 +152,10 @@ class BlockManager:
         self.stats.queried_tokens += queried
         self.stats.hit_tokens += hit
 
-    def commit_full_blocks(self, req: Request) -> list[tuple[int, int]]:
+    def commit_full_blocks(self, req: Request) -> list[tuple[int, int, int]]:
         """Hash and publish req's full blocks whose tokens all have KV; returns the
-        (block id, hash) of the blocks this call hashed (L3 write-through stores them)."""
+        (index in the request, block id, hash) of the blocks this call hashed (the L3 write policy
+        sees them)."""
         if not self.enable_prefix_caching:
             return []
         hashes = self._req_hashes.setdefault(req.req_id, [])
@@ -167,7 +171,7 @@ class BlockManager:
             hashes.append(h)
             bid = req.block_ids[i]
             self.publish(bid, h, toks)
-            new.append((bid, h))
+            new.append((i, bid, h))
         return new
 
     # --- allocation ---------------------------------------------------------
@@ -200,6 +204,8 @@ class BlockManager:
                             self.pending_saves.append(BlockCopy(bid, slot))
                 block.hash = block.tokens = None
             block.ref_count = 1
+            if self.reuse_hook is not None:
+                self.reuse_hook(bid)
             out.append(bid)
         return out
 

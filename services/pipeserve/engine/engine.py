@@ -23,6 +23,7 @@ from pipeserve.engine.block_manager import BlockManager
 from pipeserve.engine.executor import Executor
 from pipeserve.engine.grammar import GrammarBook
 from pipeserve.engine.host_index import HostIndex
+from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.prefix_loads import L3Directory
 from pipeserve.engine.request import FinishReason, Request
@@ -76,6 +77,11 @@ class LLMEngine:
             self.executor.max_inflight,
             config.stages,
             l3,
+            WriteSettings(
+                config.hicache_write_policy,
+                config.hicache_write_mb_s * 1e6,
+                int(config.hicache_write_buffer_mb * (1 << 20)),
+            ),
         )
         self._ids = itertools.count()
         self._inflight: deque[StepPlan] = deque()

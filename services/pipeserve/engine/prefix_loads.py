@@ -21,11 +21,12 @@ request while a stage may still write into it.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
+from pipeserve.engine.l3_writes import L3Writes, WriteSettings
 from pipeserve.engine.plan import BlockCopy, LoadAck, LoadOrder
 from pipeserve.engine.request import Fetch, Request
 from pipeserve.histogram import Histogram
@@ -33,6 +34,8 @@ from pipeserve.histogram import Histogram
 
 class L3Directory(Protocol):
     """Stage 0's view of L3: presence queries, answered asynchronously (hicache/directory.py)."""
+
+    page_bytes: int  # the largest stage's stored value of one block (L3 writes are paced by it)
 
     def probe(self, req_id: str, hashes: list[int]) -> None:
         """Queue 'how many leading blocks of `hashes` does L3 hold for every stage?'; never blocks."""
@@ -59,7 +62,6 @@ class TierStats:
     loads: Counter[str] = field(default_factory=Counter)  # "ok" or the first failing stage's status
     load_blocks_ok: int = 0
     load_seconds: Histogram = field(default_factory=Histogram)  # order sent -> every stage answered
-    stores: int = 0  # pages ordered to L3 (write-through)
 
 
 @dataclass
@@ -76,18 +78,19 @@ class PrefixFetch:
     """Stage 0's fetching of prefixes from L2 and L3 for the scheduler's admissions: L2 copies,
     L3 probes and loads in flight (issued with a plan, finished when every stage has answered)."""
 
-    def __init__(self, bm: BlockManager, num_stages: int, l3: L3Directory | None) -> None:
+    def __init__(
+        self, bm: BlockManager, num_stages: int, l3: L3Directory | None, writes: WriteSettings | None = None
+    ) -> None:
         self.bm = bm
         self.l3 = l3 if bm.enable_prefix_caching else None
         self.num_stages = num_stages
         self.pending: dict[int, PendingLoad] = {}
         self._next = 0
         self.stats = TierStats()
-        # Hashes known to be in L3 (stored or loaded lately): write-through skips them.
-        self._known: OrderedDict[int, None] = OrderedDict()
+        # Which blocks go to L3 (stage 0's decision), and the hashes known to be there.
+        self.writes = None if self.l3 is None else L3Writes(writes or WriteSettings(), self.l3.page_bytes)
         self._probed: dict[str, list[int]] = {}  # req_id -> the hashes its probe asked about
         self._lost = 0
-        self._known_max = 1 << 16
 
     def issue(
         self,
@@ -115,7 +118,8 @@ class PrefixFetch:
         self.stats.loads[status] += 1
         if status == "ok":
             self.stats.load_blocks_ok += len(load.order.block_ids)
-            self.note_known(load.order.block_hashes)
+            if self.writes is not None:
+                self.writes.note_known(load.order.block_hashes)
         self.stats.load_seconds.observe(time.monotonic() - load.issued)
         return load
 
@@ -126,16 +130,6 @@ class PrefixFetch:
             if load.acks[rank] != "ok":
                 return load.acks[rank]
         return "ok"
-
-    def note_known(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self._known[h] = None
-            self._known.move_to_end(h)
-        while len(self._known) > self._known_max:
-            self._known.popitem(last=False)
-
-    def is_known(self, block_hash: int) -> bool:
-        return block_hash in self._known
 
     def load_from_host(
         self,
@@ -191,7 +185,8 @@ class PrefixFetch:
         believes is in L3 may not be; it forgets, and the next requests store their blocks again."""
         if lost != self._lost:
             self._lost = lost
-            self._known.clear()
+            if self.writes is not None:
+                self.writes.forget_all()
 
     def probe(self, req: Request, start: int, hashes: list[int]) -> None:
         """Ask L3 about req's blocks from `start` on (their chain hashes); the answer comes later."""
@@ -208,8 +203,9 @@ class PrefixFetch:
             hashes = self._probed.pop(req_id, [])
             # Blocks written through lately but absent now (a store dropped, Redis restarted or
             # evicting): forget them, so the next request that computes them stores them again.
+            assert self.writes is not None
             for h in hashes[blocks:]:
-                self._known.pop(h, None)
+                self.writes.forget(h)
             req = requests.get(req_id)
             if req is None or req.fetch is not Fetch.PROBING:
                 continue  # finished or aborted meanwhile

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pipeserve.engine.plan import SamplingSpec
 from pipeserve.sampling_params import SamplingParams
 
 
@@ -56,6 +57,9 @@ class Request:
     num_scheduled: int = 0
     num_inflight: int = 0  # unfinished plans holding a chunk of this request
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at the last admission
+    # Leading full blocks the L3 write policy has seen of this request: kept across a preemption, so
+    # its own recomputation (or hit on its own freed blocks) is not a second sighting.
+    l3_sighted_blocks: int = 0
     # ... of which from each tier: {"l1": tokens, "l2": tokens, "l3": tokens}
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     fetch: Fetch = Fetch.NONE
@@ -92,3 +96,29 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def sampling_spec(req: Request, eos_token_ids: frozenset[int] = frozenset()) -> SamplingSpec:
+    """What the stages' samplers get of a request (its NewRequest in a plan)."""
+    p = req.params
+    stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
+    # Exact field types: the digest covers the encoding, and followers re-encode what
+    # they decoded (an int 0 for a float field would hash differently on the next stage).
+    return SamplingSpec(
+        float(p.temperature),
+        int(p.top_k),
+        float(p.top_p),
+        float(p.min_p),
+        None if p.seed is None else int(p.seed),
+        None if p.logprobs is None else int(p.logprobs),
+        str(p.structured_kind),
+        str(p.structured),
+        bool(p.structured_compact),
+        None if p.prompt_logprobs is None else int(p.prompt_logprobs),
+        float(p.presence_penalty),
+        float(p.frequency_penalty),
+        float(p.repetition_penalty),
+        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],
+        int(p.min_tokens),
+        stop_ids if p.min_tokens > 0 else [],
+    )

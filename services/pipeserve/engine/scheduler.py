@@ -31,12 +31,11 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
+from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import (
     BlockCopy,
     LoadOrder,
     NewRequest,
-    PageStore,
-    SamplingSpec,
     ScheduledChunk,
     StepOutput,
     StepPlan,
@@ -44,39 +43,15 @@ from pipeserve.engine.plan import (
     seal,
 )
 from pipeserve.engine.prefix_loads import L3Directory, PrefixFetch
-from pipeserve.engine.request import Fetch, FinishReason, Request, RequestStatus
+from pipeserve.engine.request import Fetch, FinishReason, Request, RequestStatus, sampling_spec
 
 POLL_S = 0.005  # while L3 loads await answers and nothing else moves, one poll plan per this (a faster
 # poll takes the GIL from the stage's own loader thread: a 2k-token load took twice as long at 1 ms)
+STORE_WAIT_S = 0.01  # longest idle wait for the L3 write pacing (new requests are looked at after it)
 
 
 class ResultMismatch(RuntimeError):
     """A step's result contradicts its plan: a protocol failure (the group stops)."""
-
-
-def sampling_spec(req: Request, eos_token_ids: frozenset[int] = frozenset()) -> SamplingSpec:
-    p = req.params
-    stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
-    # Exact field types: the digest covers the encoding, and followers re-encode what
-    # they decoded (an int 0 for a float field would hash differently on the next stage).
-    return SamplingSpec(
-        float(p.temperature),
-        int(p.top_k),
-        float(p.top_p),
-        float(p.min_p),
-        None if p.seed is None else int(p.seed),
-        None if p.logprobs is None else int(p.logprobs),
-        str(p.structured_kind),
-        str(p.structured),
-        bool(p.structured_compact),
-        None if p.prompt_logprobs is None else int(p.prompt_logprobs),
-        float(p.presence_penalty),
-        float(p.frequency_penalty),
-        float(p.repetition_penalty),
-        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],
-        int(p.min_tokens),
-        stop_ids if p.min_tokens > 0 else [],
-    )
 
 
 class Scheduler:
@@ -90,10 +65,12 @@ class Scheduler:
         max_inflight: int = 1,
         num_stages: int = 1,
         l3: L3Directory | None = None,
+        writes: WriteSettings | None = None,
     ) -> None:
         self.bm = block_manager
-        self.fetch = PrefixFetch(block_manager, num_stages, l3)
-        self._stores: list[PageStore] = []  # L3 write-through for the next plan
+        self.fetch = PrefixFetch(block_manager, num_stages, l3, writes)
+        if self.fetch.writes is not None:  # a block ordered stored but not sent yet goes before reuse
+            block_manager.reuse_hook = self.fetch.writes.reused
         self._polls = 0  # poll plans in flight (at most one)
         self._last_poll = 0.0
         self.max_inflight = max_inflight
@@ -120,7 +97,8 @@ class Scheduler:
         return self.finish(req_id, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._freed or self._stores or self.fetch.pending)
+        stores = self.fetch.writes is not None and self.fetch.writes.backlog > 0
+        return bool(self.waiting or self.running or self._freed or stores or self.fetch.pending)
 
     # --- schedule -----------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -157,6 +135,7 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
 
+        now = time.monotonic()
         plan = StepPlan(
             self._step_id + 1,
             self._freed,
@@ -164,18 +143,17 @@ class Scheduler:
             chunks,
             l2_saves=self.bm.take_plan_saves(),
             l2_loads=l2_loads,
-            l3_stores=self._stores,
+            # after the admissions: a block they reused leaves its store in this plan
+            l3_stores=self.fetch.writes.take(now) if self.fetch.writes is not None else [],
             l3_loads=l3_loads,
             traces=self._traces(new_reqs),
         )
-        now = time.monotonic()
         if plan.is_empty() and self.fetch.pending and not self._polls and now - self._last_poll >= POLL_S:
             plan = msgspec.structs.replace(plan, poll=True)  # carries the stages' load answers back
         if plan.is_empty():
             return plan  # not sent: step ids stay consecutive over the plans executors see
         self._step_id += 1
         self._freed = []
-        self._stores = []
         self._polls += plan.poll
         self._last_poll = now if plan.poll else self._last_poll
         self._inflight_tokens += plan.num_tokens
@@ -250,11 +228,14 @@ class Scheduler:
         return traces or UNSET
 
     def wait_for_tiers(self) -> None:
-        """Nothing to send and nothing in flight: wait briefly for a probe answer or a poll's turn."""
-        if self.fetch.l3 is not None and (
-            self.fetch.pending or any(r.fetch is Fetch.PROBING for r in self.waiting)
-        ):
+        """Nothing to send and nothing in flight: wait briefly for a probe answer, a poll's turn, or
+        the L3 write pacing to let the next store go."""
+        if self.fetch.l3 is None:
+            return
+        if self.fetch.pending or any(r.fetch is Fetch.PROBING for r in self.waiting):
             self.fetch.l3.wait(POLL_S)
+        elif self.fetch.writes is not None and (wait := self.fetch.writes.wait_s(time.monotonic())) > 0:
+            time.sleep(min(wait, STORE_WAIT_S))
 
     def _plan_budget(self) -> int:
         """Tokens for the next plan: the full budget with one stage; in a pipeline,
@@ -346,11 +327,7 @@ class Scheduler:
                     prompt_logprobs.keep(req.prompt_scores, chunk, scores.get(req.req_id))
                 except ValueError as e:
                     raise ResultMismatch(f"step {plan.step_id}: {e}") from None
-            for bid, h in self.bm.commit_full_blocks(req):
-                if self.fetch.l3 is not None and not self.fetch.is_known(h):
-                    self._stores.append(PageStore(bid, h))  # write-through, with the next plan
-                    self.fetch.note_known([h])
-                    self.fetch.stats.stores += 1
+            self._commit(req)
             if chunk.sample_index < 0:
                 continue
             tok = sampled.get(req.req_id)
@@ -365,6 +342,19 @@ class Scheduler:
                 self._finish(req, reason)
                 finished.append(req)
         return finished
+
+    def _commit(self, req: Request) -> None:
+        """Name req's new full blocks in the prefix cache and let the L3 write policy see them: a
+        block the request got from a cache tier (its admission's hit) or shares with another
+        running request is already shared."""
+        committed = self.bm.commit_full_blocks(req)
+        if self.fetch.writes is None or not committed:
+            return
+        hit = req.num_cached_prompt_tokens // self.bm.block_size
+        for i, bid, h in committed:
+            if i >= req.l3_sighted_blocks:
+                self.fetch.writes.committed(bid, h, i < hit or self.bm.blocks[bid].ref_count > 1)
+        req.l3_sighted_blocks = max(req.l3_sighted_blocks, committed[-1][0] + 1)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

@@ -53,7 +53,7 @@ class LLM:
         self.group: LocalGroup | None = None
         self.redis: LocalRedis | None = None
         if config.hicache_url == "local":  # a private redis-server for this LLM's L3
-            self.redis = LocalRedis().start()
+            self.redis = LocalRedis(maxmemory_mb=config.hicache_local_maxmemory_mb or None).start()
             config = dataclasses.replace(config, hicache_url=self.redis.url)
         if stages == 1:
             self.engine = build_engine(config)

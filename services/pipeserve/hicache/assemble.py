@@ -59,7 +59,13 @@ def build_stage_tiers(
     tier = writer = None
     if config.l3_url is not None:
         tier = _tier(config)
-        writer = PageWriter(tier, layout, config.hicache_write_queue)
+        writer = PageWriter(
+            tier,
+            layout,
+            buffer_bytes=int(config.hicache_write_buffer_mb * (1 << 20)),
+            rate_bytes_s=config.hicache_write_mb_s * 1e6,
+            pin_memory=device.type == "cuda",
+        )
     return StageTiers(layout, host_slots, tier, writer, device, delay_s)
 
 

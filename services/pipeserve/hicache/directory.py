@@ -48,6 +48,7 @@ class RedisDirectory:
     ) -> None:
         self.tier = tier
         self.layouts = layouts
+        self.page_bytes = max(layout.value_bytes for layout in layouts)
         self.deadline = deadline
         self.available = True
         self.errors = 0

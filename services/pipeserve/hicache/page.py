@@ -72,6 +72,11 @@ class PageLayout:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def value_bytes(self) -> int:
+        """Bytes of one stored value: the header and the payload."""
+        return HEADER_BYTES + self.payload_bytes
+
+    @property
     def tag(self) -> str:
         """The layout part of the key: dtype, block size, this stage's layers, heads x dim."""
         name = str(self.dtype).removeprefix("torch.")
@@ -96,9 +101,14 @@ def encode_page(layout: PageLayout, page: torch.Tensor, tokens: int) -> bytes:
     payload = (
         host.view(torch.int16).numpy().tobytes() if host.dtype == torch.bfloat16 else host.numpy().tobytes()
     )
+    return page_header(layout, payload, tokens) + payload
+
+
+def page_header(layout: PageLayout, payload: bytes | memoryview, tokens: int) -> bytes:
+    """The header of a value whose payload is `payload` (the raw bytes of a page of `layout`):
+    the writer packs it in front of a page it staged, so the value needs no copy of its own."""
     digest = xxhash.xxh3_128_digest(payload)
-    header = _HEADER.pack(MAGIC, FORMAT, _DTYPES[layout.dtype], tokens, *layout.shape, digest)
-    return header + payload
+    return _HEADER.pack(MAGIC, FORMAT, _DTYPES[layout.dtype], tokens, *layout.shape, digest)
 
 
 def decode_page(layout: PageLayout, value: bytes) -> tuple[torch.Tensor, int]:

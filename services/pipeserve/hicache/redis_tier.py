@@ -7,7 +7,8 @@ Contract (DESIGN §5: only stage 0 decides):
   slot, see page.py). A block counts only if every stage's page exists, and a
   prefix only up to its first missing block.
 - `store(layout, block_hash, page, tokens)` writes one stage's page (SET, with
-  the optional TTL). `load(layout, hashes)` reads one stage's pages and checks
+  the optional TTL); `store_values` writes a batch of encoded pages in one
+  pipelined round trip (the writer's path). `load(layout, hashes)` reads one stage's pages and checks
   each (format, layout, checksum); a missing or bad page is reported, never
   used — the caller reports the load failed and stage 0 recomputes.
 - Every call has a deadline (`timeout_s` on the socket); a Redis that is down,
@@ -107,6 +108,22 @@ class RedisTier:
         except redis.RedisError as e:
             raise TierUnavailable(f"store: {type(e).__name__}: {e}") from None
         return len(value)
+
+    def store_values(self, layout: PageLayout, values: list[tuple[int, memoryview]]) -> int:
+        """Write several encoded pages of one stage (block hash, value) in one pipelined round trip;
+        returns the bytes written. The values are sent as they are (redis-py writes a memoryview to
+        the socket without copying it), so the caller keeps them unchanged until this returns."""
+        if not values:
+            return 0
+        try:
+            self._detect()
+            pipe = self.client.pipeline(transaction=False)
+            for block_hash, value in values:
+                pipe.set(layout.key(block_hash), value, ex=self.ttl_s)
+            pipe.execute()
+        except redis.RedisError as e:
+            raise TierUnavailable(f"store: {type(e).__name__}: {e}") from None
+        return sum(len(v) for _, v in values)
 
     def load(self, layout: PageLayout, hashes: list[int]) -> LoadResult:
         """One stage's pages of `hashes`, each checked; see LoadResult. Read LOAD_BATCH pages per

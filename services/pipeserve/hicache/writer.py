@@ -1,16 +1,26 @@
-"""PageWriter: a stage's asynchronous writes to L3, through a bounded queue.
+"""PageWriter: a stage's writes to L3 — batched, rate-capped, off the stage's thread.
 
-The stage's step never waits for Redis: `submit` copies the page to the host
-and queues it, or — when the queue is full — drops it and counts the drop (a
-dropped page is only a later miss). One daemon thread drains the queue in
-order and writes each page with RedisTier.store; a write that fails (Redis
-down, slow or full) is counted and the page dropped, and the state change is
-logged once (`available` flips), never once per page. While Redis is down
-the writer backs off (BACKOFF_S doubling to BACKOFF_MAX_S): pages queued
-meanwhile are dropped and counted without a call.
+The stage's thread does one bounded thing per page: `submit` copies the page out of the KV pool
+into a free slot of the staging buffer, or, when every slot is taken, drops it and counts the drop
+(a dropped page is only a later miss; stage 0 hears of it through the stage's reports and orders
+the block again when it is seen again). Everything else happens on the writer's thread: the
+header (format, shape, checksum) is packed in front of the staged bytes, which become the stored
+value as they are (no encoding copy); pages go in batches of up to `batch_bytes`, one Redis
+pipeline (one round trip) each, the staged bytes written to the socket without a copy; a token
+bucket holds the average to `rate_bytes_s` (Redis's CPU and the link are taken from serving only
+this fast); a slot is free again once Redis has answered its batch.
 
-`close(timeout_s)` stops taking pages, lets the thread finish what is queued
-within the deadline, and returns how many pages were left unwritten.
+The staging buffer is allocated once: `buffer_bytes` at most (whole pages, at most `max_queue`),
+pinned on CUDA. On the CPU its memory pages are touched only when a page is staged in them, so a
+stage that writes nothing (second-hit on traffic without reuse) pays no memory for it, and one that
+writes never holds more than the buffer, whatever the traffic.
+
+Redis down, slow or full: the batch is counted failed and dropped, and the state change is logged
+once (`available` flips), never once per page. The writer then backs off (BACKOFF_S doubling to
+BACKOFF_MAX_S): pages submitted meanwhile are dropped at once, uncopied, and counted failed.
+
+`close(timeout_s)` stops taking pages, lets the thread write what is staged within the deadline,
+and returns how many pages were left unwritten.
 """
 
 from __future__ import annotations
@@ -21,9 +31,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pipeserve.hicache.page import PageLayout
+from pipeserve.engine.l3_writes import RateCap
+from pipeserve.hicache.page import HEADER_BYTES, PageLayout, page_header
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
 
 log = logging.getLogger(__name__)
@@ -32,80 +44,145 @@ log = logging.getLogger(__name__)
 # to the max): a Redis that is down costs no socket timeouts per page, and is tried again soon.
 BACKOFF_S = 0.2
 BACKOFF_MAX_S = 5.0
+BATCH_BYTES = 4 << 20  # one pipeline: few round trips, and each reply well within the socket deadline
 
 
 @dataclass
 class WriterStats:
-    queued: int = 0
+    queued: int = 0  # pages staged
     written: int = 0
     bytes_written: int = 0
-    dropped_full: int = 0  # the queue was full
-    failed: int = 0  # Redis refused or did not answer in time
+    batches: int = 0  # pipelines sent
+    dropped_full: int = 0  # the staging buffer was full
+    failed: int = 0  # Redis refused or did not answer in time (or was backing off)
+    throttled_s: float = 0.0  # time the rate cap held the writer back
 
 
 class PageWriter:
-    def __init__(self, tier: RedisTier, layout: PageLayout, max_queue: int = 256) -> None:
+    def __init__(
+        self,
+        tier: RedisTier,
+        layout: PageLayout,
+        max_queue: int = 1 << 16,
+        buffer_bytes: int = 32 << 20,
+        rate_bytes_s: float = 0.0,
+        batch_bytes: int = BATCH_BYTES,
+        pin_memory: bool = False,
+    ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue: must be >= 1 (got {max_queue})")
         self.tier = tier
         self.layout = layout
         self.stats = WriterStats()
         self.available = True  # the last write succeeded (or none was tried)
-        self._queue: queue.Queue[tuple[int, torch.Tensor, int] | None] = queue.Queue(max_queue)
+        self.slots = max(1, min(max_queue, buffer_bytes // layout.value_bytes))
+        # [slots, header + payload] bytes; a slot's payload viewed as the page it holds.
+        self._staging = torch.empty(
+            (self.slots, layout.value_bytes), dtype=torch.uint8, pin_memory=pin_memory
+        )
+        self._pages = self._staging[:, HEADER_BYTES:].view(layout.dtype).view(self.slots, *layout.shape)
+        self._rows = self._staging.numpy()  # the writer's view: headers in, values out (shared memory)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(self.slots):
+            self._free.put(slot)
+        self._staged: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
+        self._batch_pages = max(1, batch_bytes // layout.value_bytes)
+        # The bucket's depth is the buffer: a burst the buffer took goes out at once, then the rate.
+        self._cap = RateCap(rate_bytes_s, self.slots * layout.value_bytes)
+        self._retry_at = 0.0  # while not available: pages are dropped uncopied until then
         self._closed = False
+        self._close_by = float("inf")
         self._thread = threading.Thread(target=self._run, name=f"l3-writer-{layout.stage}", daemon=True)
         self._thread.start()
 
+    # --- the stage's thread ----------------------------------------------------
     def submit(self, block_hash: int, page: torch.Tensor, tokens: int) -> bool:
-        """Queue one page ([layers, 2, block_size, kv_heads, head_dim]); False if dropped."""
+        """Stage one page ([layers, 2, block_size, kv_heads, head_dim], any device); False if dropped."""
         if self._closed:
             return False
+        if not self.available and time.monotonic() < self._retry_at:
+            self.stats.failed += 1  # Redis is down: no copy, no queue (the writer backs off)
+            return False
         try:
-            self._queue.put_nowait((block_hash, page.detach().to("cpu", copy=True), tokens))
-        except queue.Full:
+            slot = self._free.get_nowait()
+        except queue.Empty:
             self.stats.dropped_full += 1
             return False
+        self._pages[slot].copy_(page.detach())
         self.stats.queued += 1
+        self._staged.put((slot, block_hash, tokens))
         return True
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Pages staged and not yet answered by Redis."""
+        return self.slots - self._free.qsize()
 
     def close(self, timeout_s: float = 5.0) -> int:
-        """Stop taking pages; write what is queued within `timeout_s`; the pages left unwritten."""
+        """Stop taking pages; write what is staged within `timeout_s`; the pages left unwritten."""
         self._closed = True
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._queue.put(None, timeout=timeout_s)  # the thread's stop, behind what is queued
-            stop_queued = True
-        except queue.Full:
-            stop_queued = False
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._close_by = time.monotonic() + timeout_s
+        self._staged.put(None)  # the thread's stop, behind what is staged
+        self._thread.join(timeout_s)
         if not self._thread.is_alive():
             return 0
-        return max(0, self._queue.qsize() - stop_queued)
+        return self.queue_depth
 
+    # --- the writer's thread ---------------------------------------------------
     def _run(self) -> None:
-        delay, retry_at = BACKOFF_S, 0.0
-        while (item := self._queue.get()) is not None:
-            block_hash, page, tokens = item
-            if not self.available and time.monotonic() < retry_at:
-                self.stats.failed += 1  # Redis is down: drop without waiting on it (backoff)
-                continue
-            try:
-                self.stats.bytes_written += self.tier.store(self.layout, block_hash, page, tokens)
-                self.stats.written += 1
-                ok = True
-            except TierUnavailable as e:
-                self.stats.failed += 1
-                ok = False
-                if self.available:
-                    log.warning("L3 unavailable for stage %d: %s", self.layout.stage, e)
-                else:
-                    delay = min(2 * delay, BACKOFF_MAX_S)
-                retry_at = time.monotonic() + delay
+        delay = BACKOFF_S
+        stop = False
+        while not stop:
+            first = self._staged.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < self._batch_pages:
+                try:
+                    item = self._staged.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:  # close(): write this batch, then stop
+                    stop = True
+                    break
+                batch.append(item)
+            ok = self._write(batch)
+            for slot, _, _ in batch:
+                self._free.put(slot)
+            if ok is None:
+                continue  # dropped during the backoff: nothing learnt about Redis
             if ok and not self.available:
                 log.info("L3 available again for stage %d", self.layout.stage)
                 delay = BACKOFF_S
+            elif not ok:
+                delay = delay if self.available else min(2 * delay, BACKOFF_MAX_S)
+                self._retry_at = time.monotonic() + delay
             self.available = ok
+
+    def _write(self, batch: list[tuple[int, int, int]]) -> bool | None:
+        """Write a batch: True, False when Redis failed, None when dropped unwritten (backing off)."""
+        if not self.available and time.monotonic() < self._retry_at:
+            self.stats.failed += len(batch)  # staged before Redis was found down: drop, no call
+            return None
+        wait = self._cap.book(len(batch) * self.layout.value_bytes)
+        if self._closed:  # closing: wait no longer than close() does
+            wait = min(wait, max(0.0, self._close_by - time.monotonic()))
+        if wait > 0:
+            self.stats.throttled_s += wait
+            time.sleep(wait)
+        values = []
+        for slot, block_hash, tokens in batch:
+            row = self._rows[slot]
+            header = page_header(self.layout, memoryview(row[HEADER_BYTES:]), tokens)
+            row[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+            values.append((block_hash, memoryview(row)))
+        try:
+            self.stats.bytes_written += self.tier.store_values(self.layout, values)
+        except TierUnavailable as e:
+            self.stats.failed += len(batch)
+            if self.available:
+                log.warning("L3 unavailable for stage %d: %s", self.layout.stage, e)
+            return False
+        self.stats.written += len(batch)
+        self.stats.batches += 1
+        return True

@@ -51,6 +51,12 @@ def stage_tier_metrics(tiers: StageTiers | None) -> dict[str, Metric]:
             "pipeserve:hicache_l3_stores": Metric("counter", "pages written to L3", ws.written),
             "pipeserve:hicache_l3_written_bytes": Metric("counter", "bytes written to L3", ws.bytes_written),
             "pipeserve:hicache_l3_store_queue": Metric("gauge", "pages waiting to be written", w.queue_depth),
+            "pipeserve:hicache_l3_store_batches": Metric(
+                "counter", "pipelines of pages sent to L3", ws.batches
+            ),
+            "pipeserve:hicache_l3_store_throttled_seconds": Metric(
+                "counter", "time the write rate cap held the writer back", ws.throttled_s
+            ),
             "pipeserve:hicache_l3_store_dropped": Metric(
                 "counter", "pages not written: the store queue was full", ws.dropped_full
             ),
@@ -76,7 +82,8 @@ def leader_tier_metrics(engine: LLMEngine) -> dict[str, Metric]:
             "pipeserve:hicache_l2_hit_blocks": Metric("counter", "prefix blocks found in L2", hs.hits),
             "pipeserve:hicache_l2_evictions": Metric("counter", "L2 entries dropped for room", hs.evictions),
         }
-    if sched.fetch.l3 is not None:
+    if sched.fetch.l3 is not None and (writes := sched.fetch.writes) is not None:
+        ws = writes.stats
         buckets, total = st.load_seconds.snapshot()
         out |= {
             "pipeserve:hicache_l3_probes": Metric("counter", "presence queries to L3", st.probes),
@@ -93,7 +100,13 @@ def leader_tier_metrics(engine: LLMEngine) -> dict[str, Metric]:
                 "histogram", "load ordered -> every stage answered", total, buckets=buckets
             ),
             "pipeserve:hicache_l3_pages_ordered": Metric(
-                "counter", "blocks ordered written to L3", st.stores
+                "counter", "blocks ordered written to L3", ws.ordered
+            ),
+            "pipeserve:hicache_l3_first_sightings": Metric(
+                "counter", "blocks not ordered written: seen once (second-hit)", ws.first_sightings
+            ),
+            "pipeserve:hicache_l3_store_backlog": Metric(
+                "gauge", "blocks ordered written, waiting for the write pacing", writes.backlog
             ),
             "pipeserve:hicache_l3_directory_up": Metric(
                 "gauge",

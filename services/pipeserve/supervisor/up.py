@@ -127,7 +127,8 @@ async def serve_up(configs: UpConfigs) -> int:
     registry = CollectorRegistry()
     redis = redis_start = None
     if engine.hicache_url == "local":  # L3 on a private redis-server, kept running below
-        redis = LocalRedis()  # its port is chosen now: the stages are launched with its URL
+        # its port is chosen now: the stages are launched with its URL
+        redis = LocalRedis(maxmemory_mb=engine.hicache_local_maxmemory_mb or None)
         engine = dataclasses.replace(engine, hicache_url=redis.url)
         # Started beside the stages, which reach L3 only after importing torch and loading weights.
         redis_start = asyncio.create_task(asyncio.to_thread(redis.start))
