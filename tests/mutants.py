@@ -729,10 +729,24 @@ MUTANTS = [
     ),
     (
         "bench --compare ratio upside down (peer over self)",
-        "services/pipeserve/bench/compare.py",
-        "        out[key] = a / b if a is not None and b else None",
-        "        out[key] = b / a if b is not None and a else None",
-        "tests/bench/test_compare.py -k stand_ins",
+        "services/pipeserve/bench/sweep_report.py",
+        '    out["ratio"] = a["median"] / b["median"] if a and b and b["median"] else None',
+        '    out["ratio"] = b["median"] / a["median"] if a and b and a["median"] else None',
+        "tests/bench/test_sweep_report.py tests/bench/test_compare.py -k 'stand_ins or aggregate'",
+    ),
+    (
+        "side-by-side cache check ignores reported hits",
+        "services/pipeserve/bench/cachecheck.py",
+        '    if resp["hit_tokens"] or counter:',
+        "    if False:",
+        "tests/bench/test_cachecheck.py",
+    ),
+    (
+        "side-by-side prompts reuse first tokens at once (a shared leading token)",
+        "services/pipeserve/bench/prompts.py",
+        "        self._pool.append(first)  # least recently used first: reused only after the whole pool",
+        "        self._pool.appendleft(first)",
+        "tests/bench/test_fresh_prompts.py tests/bench/test_cachecheck.py",
     ),
     (
         "bench client never retries a connection closed before the response",

@@ -1,142 +1,166 @@
-"""`pipeserve bench --compare`: the same workload against two servers, and ratios that follow from the runs.
+"""`pipeserve bench --compare`: a sweep against two servers, fresh prompts per pass, ratios from the runs.
 
-The live test runs two real `pipeserve up` servers on the demo model (the second stands in for the
-peer, e.g. llama.cpp's llama-server, which tests do not build); the others use the stand-in
-OpenAI app of test_bench.py (known sleeps) and a real process tree for the RSS sum.
+The stand-in servers are slot_server.py's (llama-server's slot prompt cache and its way of reporting
+reuse, with known sleeps); the slow test runs two real `pipeserve up` on the demo model (the second
+standing in for the peer, e.g. llama.cpp's llama-server, which tests do not build). The RSS sampler
+is checked on a real process tree.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+from collections import Counter
 
 import pytest
-from test_bench import Served, bench_cli, openai_app
+from slot_server import slot_app
+from test_bench import Served, bench_cli
 
-from pipeserve.bench import compare, workloads
+from pipeserve.bench import sweep_report
+from pipeserve.bench.host import RssSampler, tree_pids, tree_rss
 from serving_support import UpProcess
 
 pytestmark = pytest.mark.timeout(180)
 
-
-def _small(url: str, peer: str, out: Path, *extra: str) -> list[str]:
-    argv = ["bench", "--url", url, "--compare", peer, "--num-requests", "8", "--concurrency", "4"]
-    argv += ["--input-len", "24", "--range-ratio", "0.5", "--output-len", "6", "--warmup", "1"]
-    return [*argv, "--single-stream-requests", "2", "--json", str(out), *extra]
+CELLS = "p128-c1-o64,p128-c16-o64"
 
 
-def _check_arithmetic(doc: dict, keys: tuple[str, ...] = tuple(k for k, _, _ in compare.FIGURES)) -> None:
-    """Figures are the medians of the rounds' passes; every ratio is self's figure over the peer's."""
-    for side in compare.SIDES:
-        rounds, fig = doc[side]["rounds"], doc[side]["figures"]
-        assert fig["out_tok_s"] == pytest.approx(
-            sorted(r["serving"]["output_throughput"] for r in rounds)[len(rounds) // 2]
-        )
-        assert fig["ttft_p50_ms"] == pytest.approx(
-            sorted(r["serving"]["ttft_ms"]["p50"] for r in rounds)[len(rounds) // 2]
-        )
-        assert fig["single_tok_s"] == pytest.approx(
-            sorted(r["single"]["output_throughput"] for r in rounds)[len(rounds) // 2]
-        )
-    for key in keys:
-        a, b = doc["self"]["figures"][key], doc["peer"]["figures"][key]
-        assert doc["ratios"][key] == pytest.approx(a / b), key
+def _argv(url: str, peer: str, tokenizer, out, *extra: str) -> list[str]:
+    argv = ["bench", "--url", url, "--compare", peer, "--sweep", "reduced", "--cells", CELLS]
+    argv += ["--cell-requests", "4", "--warmup", "1", "--tokenizer", str(tokenizer), "--json", str(out)]
+    return [*argv, *extra]
 
 
-def test_compare_ratios_follow_from_the_runs_stand_ins(tmp_path, capsys):
-    """Self answers 10x slower to the first token than the peer (200 vs 20 ms): the TTFT ratio says
-    self is slower, every ratio is the figures divided, and a peer that fails requests fails the run."""
-    slow, _ = openai_app(ttft=0.20, itl=0.002)
-    fast, fast_state = openai_app(ttft=0.02, itl=0.002)
-    out = tmp_path / "c.json"
+def _check_arithmetic(doc: dict) -> None:
+    """Every figure is the median of that side's passes; every ratio self's median over the peer's."""
+    agg = doc["aggregate"]["cells"]
+    for cell in doc["cells"]:
+        for fig, *_ in sweep_report.FIGURES:
+            medians = {}
+            for side in ("self", "peer"):
+                vals = [p["figures"][fig] for p in doc["passes"] if p["side"] == side and p["cell"] == cell]
+                vals = [v for v in vals if v is not None]
+                medians[side] = statistics.median(vals) if vals else None
+                got = agg[cell][fig][side]
+                assert (got and got["median"]) == pytest.approx(medians[side]), (cell, fig, side)
+            if medians["self"] is not None and medians["peer"]:
+                assert agg[cell][fig]["ratio"] == pytest.approx(medians["self"] / medians["peer"])
+
+
+def test_compare_sweep_on_stand_ins(llama_dir, tmp_path, capsys):
+    """Self answers 10x slower to the first token: the TTFT ratio misses (bold); the rounds alternate;
+    every server sees every prompt once, the two servers the same prompts; the figures are medians."""
+    slow, s_state = slot_app(ttft=0.20, itl=0.002)
+    fast, p_state = slot_app(ttft=0.02, itl=0.002)
+    out, md, png = tmp_path / "c.json", tmp_path / "R.md", tmp_path / "r.png"
     with Served(slow) as a, Served(fast) as b:
-        assert bench_cli(_small(a.url, b.url, out, "--compare-rounds", "3")) == 0
+        extra = ("--compare-rounds", "3", "--results-md", str(md), "--plot", str(png))
+        assert bench_cli(_argv(a.url, b.url, llama_dir, out, *extra)) == 0
     doc = json.loads(out.read_text())
-    # Each round: 1 warmup + 8 timed + 2 single-stream requests, identical prompts on both sides.
-    assert fast_state["count"] == 3 * 11
-    assert len(doc["self"]["rounds"]) == len(doc["peer"]["rounds"]) == 3
-    assert doc["failed_requests"] == 0 and doc["self"]["pid"] is None
-    _check_arithmetic(doc, ("out_tok_s", "ttft_p50_ms", "single_tok_s"))
-    assert doc["ratios"]["peak_rss_bytes"] is None  # no pids given: not measured
-    # Only the direction is checked: on a loaded machine both TTFTs grow by the same ~0.1 s.
-    assert doc["ratios"]["ttft_p50_ms"] > 1.5
+    order = [(p["round"], p["side"], p["cell"]) for p in doc["passes"]]
+    cells = CELLS.split(",")
+    assert order == [(r, s, c) for r in (1, 2, 3) for s in ("self", "peer") for c in cells]
+    # 3 rounds x 2 cells x (1 warmup + 4 timed); no prompt twice, none reused, both sides alike.
+    for state in (s_state, p_state):
+        assert len(state["prompts"]) == 3 * 2 * 5 == len(set(state["prompts"]))
+        assert max(state["cache_n"]) == 0
+    assert Counter(s_state["prompts"]) == Counter(p_state["prompts"])
+    assert all(p["cache"]["hit_tokens"] == 0 and p["cache"]["reporting"] == 5 for p in doc["passes"])
+    # Text prompts of 128 tokens under the model's tokenizer; the stand-in counts words (fewer).
+    assert all(isinstance(x, str) and 30 < len(x.split()) < 128 for x in s_state["prompts"])
+    _check_arithmetic(doc)
+    ttft = doc["aggregate"]["cells"]["p128-c1-o64"]["ttft_p50_ms"]
+    assert ttft["ratio"] > 1.5 and ttft["miss"]  # only the direction: a loaded machine adds to both
     text = capsys.readouterr().out
-    assert f"{doc['ratios']['ttft_p50_ms']:.3f}x" in text and "Compare: self = --url" in text
-
-    failing, _ = openai_app(ttft=0.01, fail_every=3)
-    with Served(fast) as a, Served(failing) as b:
-        assert bench_cli(_small(a.url, b.url, out)) == 1
-    assert json.loads(out.read_text())["failed_requests"] > 0
-    assert "FAILED requests" in capsys.readouterr().out
+    assert f"**{ttft['ratio']:.2f}×**" in text and f"**{ttft['ratio']:.2f}×**" in md.read_text()
+    assert "--compare" in md.read_text() and "![ratios](r.png)" in md.read_text() and png.is_file()
+    assert doc["failed_requests"] == 0 and doc["aggregate"]["servers"]["ready_s"]["ratio"] is None
 
 
-def test_compare_rejects_other_modes_and_missing_pids():
+def test_compare_fails_on_cache_hits_and_on_failed_requests(llama_dir, tmp_path, capsys):
+    """The same prompts twice (a fixed --prompt-seed, servers kept up): the second run hits the slot
+    caches and fails, saying so; a peer that fails requests fails the run too."""
+    app, state = slot_app(slots=64)
+    out = tmp_path / "c.json"
+    one = ("--compare-rounds", "1", "--cells", "p128-c1-o64")
+    with Served(app) as a, Served(slot_app()[0]) as b:
+        assert bench_cli(_argv(a.url, b.url, llama_dir, out, *one, "--prompt-seed", "5")) == 0
+        assert bench_cli(_argv(a.url, b.url, llama_dir, out, *one, "--prompt-seed", "5")) == 1
+    assert "CACHE HITS" in capsys.readouterr().err and max(state["cache_n"]) > 0
+    assert len(json.loads(out.read_text())["passes"]) == 0  # the first pass of the run failed
+    failing, _ = slot_app(fail_every=3)
+    with Served(slot_app()[0]) as a, Served(failing) as b:
+        assert bench_cli(_argv(a.url, b.url, llama_dir, out, *one)) == 1
+    doc = json.loads(out.read_text())
+    assert doc["failed_requests"] > 0 and "FAILED" in capsys.readouterr().out
+
+
+def test_compare_rejects_other_modes_and_bad_arguments():
     with pytest.raises(ValueError, match="--router-overhead"):
         bench_cli(["bench", "--compare", "http://h:1", "--router-overhead", "--grpc", "h:2"])
+    with pytest.raises(ValueError, match="--tokenizer"):
+        bench_cli(["bench", "--compare", "http://h:1"])
     with pytest.raises(ValueError, match="no such process"):
-        bench_cli(["bench", "--compare", "http://h:1", "--peer-pid", "999999999"])
+        bench_cli(["bench", "--compare", "http://h:1", "--prompt-kind", "ids", "--peer-pid", "999999999"])
     with pytest.raises(ValueError, match="--compare-rounds"):
-        bench_cli(["bench", "--compare", "http://h:1", "--compare-rounds", "0"])
+        bench_cli(["bench", "--compare", "http://h:1", "--prompt-kind", "ids", "--compare-rounds", "0"])
+    with pytest.raises(ValueError, match="matches none"):
+        bench_cli(["bench", "--compare", "http://h:1", "--prompt-kind", "ids", "--cells", "p3-*"])
 
 
-def test_tree_peak_rss_sums_every_descendant():
-    """A parent with two children, one of which holds ~64 MB: the tree sum counts all three."""
-    child = "import time; b = b'x' * (64 << 20); time.sleep(30)"  # written bytes: resident
+def test_rss_sampler_sums_the_tree_while_it_runs():
+    """A parent with two children holding ~64 MB each: the sampled peak counts all three at once; a
+    window opened after they exit sees only the parent."""
+    child = "import time; b = b'x' * (64 << 20); time.sleep(1.5)"  # written bytes: resident
     spawn = f"subprocess.Popen([sys.executable, '-c', {child!r}])"
-    script = f"import subprocess, sys, time; ps = [{spawn} for _ in 'ab']"
-    root = subprocess.Popen([sys.executable, "-c", script + "; time.sleep(30)"])
+    script = f"import subprocess, sys, time; ps = [{spawn} for _ in 'ab']; [p.wait() for p in ps]"
+    script += "; time.sleep(30)"
+    root = subprocess.Popen([sys.executable, "-c", script])
     try:
-        deadline = time.monotonic() + 20
-        while len(compare.tree_pids(root.pid)) < 3:
-            assert time.monotonic() < deadline, "children did not start"
-            time.sleep(0.05)
-        pids = compare.tree_pids(root.pid)
-        time.sleep(0.5)  # the children allocate
-        total = compare.tree_peak_rss(root.pid)
-        assert total == pytest.approx(sum(compare.status_bytes(p, "VmHWM") for p in pids), rel=0.05)
-        assert total >= 2 * (64 << 20) + compare.status_bytes(root.pid, "VmHWM")
+        with RssSampler(root.pid, interval_s=0.05) as sampler:
+            deadline = time.monotonic() + 20
+            while len(tree_pids(root.pid)) < 3:
+                assert time.monotonic() < deadline, "children did not start"
+                time.sleep(0.05)
+            while len(tree_pids(root.pid)) > 1:  # the children allocate, hold, exit
+                assert time.monotonic() < deadline, "children did not exit"
+                time.sleep(0.05)
+            sampler.mark()
+            time.sleep(0.2)
+            after = sampler.read_window()
+        assert sampler.peak >= 2 * (64 << 20) + tree_rss(root.pid) * 0.9
+        assert after == pytest.approx(tree_rss(root.pid), rel=0.2) and after < 64 << 20
     finally:
-        for pid in compare.tree_pids(root.pid)[::-1]:
-            subprocess.run(["kill", str(pid)], check=False)
+        root.kill()
         root.wait(timeout=10)
-    assert compare.tree_pids(root.pid) == []
+    assert tree_pids(root.pid) == []
 
 
 @pytest.mark.slow
 def test_compare_two_live_pipeserve_servers(llama_dir, tmp_path, capsys):
-    """Two real `pipeserve up` (S=1): both complete the same workload, the RSS figure sums the whole
-    process tree (router + stage), and the printed and JSON ratios are the runs' own figures divided."""
+    """Two real `pipeserve up` (S=1) on fresh text prompts: no prefix-cache hit by their own counters,
+    the same prompt tokens on both, the RSS sampled over each whole tree, ratios from the runs."""
     args = ("--model", str(llama_dir), "--stages", "1", "--num-kv-blocks", "256")
     out, md = tmp_path / "c.json", tmp_path / "R.md"
-    # Both start at once (start-up is most of this test's time); each must stop cleanly.
     a, b = UpProcess(*args, log_dir=tmp_path / "a"), UpProcess(*args, log_dir=tmp_path / "b")
     try:
         a.wait_ready(), b.wait_ready()
-        stage_pids = [p for g in a.pids().values() for p in g.values()]
-        extra = ("--self-pid", str(a.proc.pid), "--peer-pid", str(b.proc.pid), "--tokenizer", str(llama_dir))
-        assert bench_cli(_small(a.url, b.url, out, *extra, "--results-md", str(md))) == 0
-        tree = compare.tree_pids(a.proc.pid)
-        assert set(stage_pids) <= set(tree) and len(tree) >= 2
+        extra = ("--self-pid", str(a.proc.pid), "--peer-pid", str(b.proc.pid), "--results-md", str(md))
+        assert bench_cli(_argv(a.url, b.url, llama_dir, out, "--compare-rounds", "1", *extra)) == 0
     finally:
         codes = a.stop(), b.stop()
     assert codes == (0, 0), a.log()[-2000:] + b.log()[-2000:]
     doc = json.loads(out.read_text())
-    assert doc["failed_requests"] == 0
-    assert doc["self"]["model"] == doc["peer"]["model"] == str(llama_dir)
-    s_self, s_peer = doc["self"]["rounds"][0]["serving"], doc["peer"]["rounds"][0]["serving"]
-    assert s_self["completed"] == s_peer["completed"] == 8
-    assert s_self["total_input_tokens"] == s_peer["total_input_tokens"]  # the same prompts
-    vocab = workloads.resolve_vocab_size(None, str(llama_dir))
-    drawn = sum(r.output_len for r in workloads.random_workload(8, 24, 6, 0.5, vocab, seed=0))
-    assert s_self["total_output_tokens"] == s_peer["total_output_tokens"] == drawn  # ignore_eos
+    assert doc["failed_requests"] == 0 and len(doc["passes"]) == 4
+    for p in doc["passes"]:
+        assert p["cache"]["counter_hit_tokens"] == 0 and p["cache"]["reporting"] == 5
+        assert p["server_prompt_tokens_mean"] == 128  # the server's own count of the text
+        assert p["summary"]["total_output_tokens"] == 4 * 64  # ignore_eos
+        assert p["figures"]["peak_rss_bytes"] > 200e6  # router + stage, each importing torch
     _check_arithmetic(doc)
-    # Two trees of the same shape (router + one stage, each importing torch): the ratio is near 1.
-    assert doc["self"]["figures"]["peak_rss_bytes"] > 200e6
-    assert 0.5 < doc["ratios"]["peak_rss_bytes"] < 2.0
-    text = capsys.readouterr().out
-    for key in ("out_tok_s", "ttft_p50_ms", "single_tok_s", "peak_rss_bytes"):
-        assert f"{doc['ratios'][key]:.3f}x" in text
-    assert "| Output tok/s (serving pass) |" in md.read_text() and "--compare" in md.read_text()
+    rss = doc["aggregate"]["cells"]["p128-c16-o64"]["peak_rss_bytes"]["ratio"]
+    assert 0.5 < rss < 2.0  # two trees of the same shape
+    assert "| p128-c1-o64 |" in md.read_text() and "counter delta 0" in md.read_text()

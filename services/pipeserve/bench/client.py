@@ -67,7 +67,7 @@ async def fetch_model(client: httpx.AsyncClient) -> str:
 def completion_body(model: str, req: BenchRequest) -> dict:
     return {
         "model": model,
-        "prompt": req.prompt,
+        "prompt": req.prompt if req.text is None else req.text,
         "max_tokens": req.output_len,
         "temperature": 0,
         "ignore_eos": True,
@@ -108,6 +108,9 @@ async def _read_stream(resp: httpx.Response, result: RequestResult, start: float
             details = usage.get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 result.cached_tokens = int(details["cached_tokens"])
+        # llama.cpp's server reports per response how many prompt tokens its slot reused.
+        if isinstance(timings := chunk.get("timings"), dict) and timings.get("cache_n") is not None:
+            result.cache_n = max(result.cache_n or 0, int(timings["cache_n"]))
         for choice in chunk.get("choices") or []:
             result.token_ids += choice.get("token_ids") or []
         if n := _chunk_tokens(chunk):

@@ -1,53 +1,43 @@
-"""`pipeserve bench --compare PEER_URL`: one workload against pipeserve and another server, and the ratios.
+"""`pipeserve bench --compare PEER_URL`: pipeserve beside another server, honestly, and the ratios.
 
   pipeserve bench --url http://127.0.0.1:8000 --compare http://127.0.0.1:8080 \\
-      --num-requests 32 --concurrency 16 --input-len 128 --range-ratio 0.875 --output-len 64 \\
-      [--self-pid PID] [--peer-pid PID] [--compare-rounds 3] [--single-stream-requests 4] [--json F]
+      --tokenizer MODEL_DIR [--sweep custom|reduced|full] [--cells 'p128-*'] [--compare-rounds 3] \\
+      [--prompt-kind text|ids] [--self-pid PID] [--peer-pid PID] [--json F] [--results-md F] [--plot F.png]
 
 `--url` is "self" (pipeserve), `--compare` the peer: any OpenAI-compatible server whose
-`/v1/completions` streams and takes token-id prompts and `ignore_eos` (llama.cpp's `llama-server`,
-vLLM, SGLang). Each round runs, for self and then for the peer — one server at a time, never both
-loaded at once — the serving pass (the bench's random workload at `--concurrency`, closed loop,
-greedy) and a single-stream pass (the workload's first `--single-stream-requests` prompts at
-concurrency 1). The headline figures are medians over the rounds:
+`/v1/completions` streams and takes `ignore_eos` (llama.cpp's `llama-server`, vLLM, SGLang).
+The sweep (bench/cells.py: one cell from --input-len/--concurrency/--output-len, or the reduced or
+full grid) runs round after round, self then peer (bench/sweep.py); every pass gets fresh prompts
+(bench/prompts.py: text of random corpus words sized with --tokenizer, the default, or token ids),
+and every pass is checked from the servers' own reports for cache hits (bench/cachecheck.py) —
+a hit ends the run with exit status 1 unless `--measures-caching` says the passes time a cache.
+With `--self-pid` / `--peer-pid` the RSS of each server's process tree is sampled (~100 ms) during
+each pass. Servers given as URLs are already running: ready time is measured only where the bench
+starts them itself (benchmarks/peer.py, which drives this module with `LaunchedServer`s).
 
-  - out_tok_s: the serving pass's output token throughput;
-  - ttft_p50_ms: the serving pass's TTFT p50;
-  - single_tok_s: the single-stream pass's output token throughput (its TTFT included);
-  - peak_rss_bytes: with `--self-pid` / `--peer-pid`, the sum of VmHWM over that pid and all its
-    descendants (each process's own peak; an upper bound of the tree's simultaneous peak), read
-    after the last round — for `pipeserve up` the router/supervisor process and every stage.
-
-Each ratio is self ÷ peer of two such figures (so > 1 means pipeserve is higher: better for
-throughput, worse for TTFT and memory). A pass with a failed request makes the run fail (exit 1):
-a ratio over a partial run would mislead. The two servers see identical requests (the same
-seeded token-id prompts); `--model` names self's model, `--peer-model` the peer's (default:
-the first of each server's GET /v1/models).
+The figures, their medians over rounds, spreads and ratios: bench/sweep_report.py. Outputs: the
+ratio tables on stdout; `--json` the raw runs (every pass, every session) and the aggregate;
+`--results-md` appends the section (CPU, commands, tables); `--plot` a PNG of the ratios.
+A failed request or a cache hit makes the exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import statistics
-from collections.abc import Callable, Coroutine
+import json
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pipeserve.bench.workloads import BenchRequest
+from pipeserve.bench.cells import DEFAULT_CAP, GRIDS, Cell, grid, select
 
-# bench/serving.py's pass runner, handed in by it (this module must not import serving: a cycle).
-Serve = Callable[[argparse.Namespace, list[BenchRequest]], Coroutine[Any, Any, tuple[str, dict, list[Any]]]]
+if TYPE_CHECKING:
+    from pipeserve.bench.prompts import FreshPrompts
+    from pipeserve.bench.sweep import Server
 
-SIDES = ("self", "peer")
-# (key, label, how the figure prints); the order of the printed and markdown tables.
-FIGURES = (
-    ("out_tok_s", "Output tok/s (serving pass)", "{:.2f}"),
-    ("ttft_p50_ms", "TTFT p50 (ms, serving pass)", "{:.1f}"),
-    ("single_tok_s", "Single stream tok/s (C=1)", "{:.2f}"),
-    ("peak_rss_bytes", "Peak RSS, process tree (GB)", "GB"),
-)
+SWEEPS = ("custom", *GRIDS)
 
 
 def add_compare_args(b: argparse.ArgumentParser) -> None:
@@ -58,172 +48,143 @@ def add_compare_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--peer-model", default=None, help="--compare: the peer's model name")
     b.add_argument("--self-pid", type=int, default=None, help="--compare: pid of --url's server (for RSS)")
     b.add_argument("--peer-pid", type=int, default=None, help="--compare: pid of the peer server (for RSS)")
-    b.add_argument("--compare-rounds", type=int, default=1, help="--compare: rounds (medians reported)")
+    b.add_argument("--compare-rounds", type=int, default=3, help="--compare: rounds (medians reported)")
+    b.add_argument("--sweep", choices=SWEEPS, default="custom", help="--compare: the cells (custom: one)")
+    b.add_argument("--cells", default=None, help="--compare: keep cells matching these patterns (p128-*)")
     b.add_argument(
-        "--single-stream-requests", type=int, default=4, help="--compare: requests at C=1 per round (0: none)"
+        "--prompt-kind", choices=("text", "ids"), default="text", help="--compare: text needs --tokenizer"
+    )
+    b.add_argument("--max-requests", type=int, default=DEFAULT_CAP, help="--compare: most requests a pass")
+    b.add_argument("--cell-requests", type=int, default=None, help="--compare: every pass sends this many")
+    b.add_argument(
+        "--measures-caching", action="store_true", help="--compare: report cache hits instead of failing"
+    )
+    b.add_argument(
+        "--prompt-seed", type=int, default=None, help="--compare: the fresh prompts' (default: new each run)"
     )
 
 
 def check_compare_args(args: argparse.Namespace) -> None:
-    if args.router_overhead or args.workload == "multi-turn" or args.plot:
+    if args.router_overhead or args.workload != "random":
         raise ValueError(
-            "--compare runs the random/shared-prefix workloads; not with --router-overhead, "
-            "multi-turn or --plot"
+            "--compare runs its own fresh-prompt workload; not with --router-overhead or --workload"
         )
     if args.compare_rounds < 1:
         raise ValueError("--compare-rounds must be >= 1")
-    if not 0 <= args.single_stream_requests <= args.num_requests:
-        raise ValueError("--single-stream-requests must be in [0, --num-requests]")
+    if args.prompt_kind == "text" and not args.tokenizer:
+        raise ValueError("--compare with text prompts needs --tokenizer MODEL_DIR (or --prompt-kind ids)")
+    if args.cell_requests is not None and args.cell_requests < 1:
+        raise ValueError("--cell-requests must be >= 1")
     for flag in ("self_pid", "peer_pid"):
         pid = getattr(args, flag)
         if pid is not None and not Path(f"/proc/{pid}").is_dir():
             raise ValueError(f"--{flag.replace('_', '-')} {pid}: no such process")
 
 
-# --- memory of a process tree ----------------------------------------------------------
+def cells_of(args: argparse.Namespace) -> list[Cell]:
+    return select(grid(args.sweep, Cell(args.input_len, args.concurrency, args.output_len)), args.cells)
 
 
-def tree_pids(root: int) -> list[int]:
-    """`root` and all its live descendants (from /proc/*/stat's ppid); [] when root is gone."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        # The command name is in parentheses and may hold spaces: the fields follow the last ')'.
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    if not Path(f"/proc/{root}").is_dir():
-        return []
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return sorted(out)
-
-
-def status_bytes(pid: int, field: str) -> int:
-    """A memory line of /proc/PID/status (VmHWM, VmRSS) in bytes; 0 for a gone or kernel process."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def tree_peak_rss(root: int) -> int:
-    return sum(status_bytes(pid, "VmHWM") for pid in tree_pids(root))
-
-
-# --- the passes --------------------------------------------------------------------------
-
-
-def _pass_args(
-    args: argparse.Namespace, url: str, model: str | None, concurrency: int, warmup: int
-) -> argparse.Namespace:
-    return argparse.Namespace(
-        **{**vars(args), "url": url, "model": model, "concurrency": concurrency, "warmup": warmup}
-    )
-
-
-def _run_side(args: argparse.Namespace, side: str, requests: list[BenchRequest], serve: Serve) -> dict:
-    """One round on one server: the serving pass, then the single-stream pass."""
-    url, model = (args.url, args.model) if side == "self" else (args.compare, args.peer_model)
-    model, serving, _ = asyncio.run(
-        serve(_pass_args(args, url, model, args.concurrency, args.warmup), requests)
-    )
-    out = {"model": model, "serving": serving, "single": None}
-    if args.single_stream_requests:
-        single_args = _pass_args(args, url, model, 1, 0)  # warm from the serving pass
-        single_args.request_rate = float("inf")
-        _, out["single"], _ = asyncio.run(serve(single_args, requests[: args.single_stream_requests]))
-    return out
-
-
-def _figures(rounds: list[dict], pid: int | None) -> dict:
-    """Medians over the rounds of the headline figures (None where not measured)."""
-
-    def median(values: list[float | None]) -> float | None:
-        vals = [v for v in values if v is not None]
-        return statistics.median(vals) if vals else None
+def new_record(
+    label: str, sweep: str, rounds: int, cells: list[Cell], prompts: FreshPrompts, servers: dict[str, Server]
+) -> dict:
+    """The run's JSON document before any pass: where, what, with which prompts and servers."""
+    from pipeserve.bench.host import cpu_info, git_commit
 
     return {
-        "out_tok_s": median([r["serving"]["output_throughput"] for r in rounds]),
-        "ttft_p50_ms": median([r["serving"]["ttft_ms"]["p50"] for r in rounds]),
-        "single_tok_s": median([r["single"]["output_throughput"] if r["single"] else None for r in rounds]),
-        "peak_rss_bytes": None if pid is None else tree_peak_rss(pid) or None,
+        "label": label,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+        "cpu": cpu_info(),
+        "sweep": sweep,
+        "rounds": rounds,
+        "cells": [c.key for c in cells],
+        "prompt_kind": prompts.maker.kind,
+        "seed": prompts.seed,
+        "reuse_distance": prompts.reuse_distance,
+        "servers": {side: {"describe": s.describe()} for side, s in servers.items()},
+        "passes": [],
+        "sessions": [],
     }
 
 
-def ratios(self_fig: dict, peer_fig: dict) -> dict:
-    """self ÷ peer for every figure both sides have (and the peer's is non-zero)."""
-    out: dict[str, float | None] = {}
-    for key, _, _ in FIGURES:
-        a, b = self_fig.get(key), peer_fig.get(key)
-        out[key] = a / b if a is not None and b else None
-    return out
+def finish(
+    record: dict,
+    servers: dict[str, Server],
+    json_path: str | None,
+    results_md: Sequence[str],
+    plot_path: str | None,
+    prompts_issued: int,
+) -> dict:
+    """Aggregate, print the tables, write what was asked (the section appended to each of
+    `results_md`); returns the aggregate."""
+    from pipeserve.bench import sweep_report
+
+    record["prompts_issued"] = prompts_issued
+    for side, s in servers.items():
+        record["servers"][side]["commands"] = dict(getattr(s, "commands", {}))
+    agg = sweep_report.aggregate(record)
+    record["aggregate"] = agg
+    record["failed_requests"] = sum(p["failed"] for p in record["passes"])
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(record, indent=2) + "\n")
+    plot = None
+    if plot_path and agg["cells"]:
+        from pipeserve.bench import sweep_plot
+
+        plot = sweep_plot.write_ratio_plot(agg, plot_path, record["label"]).resolve()
+    print("\n".join(["", *sweep_report.ratio_table(agg), "", *sweep_report.server_table(agg)]))
+    for md in results_md:
+        ref = None
+        if plot is not None:  # the markdown links the plot relative to itself where it can
+            base = Path(md).resolve().parent
+            ref = str(plot.relative_to(base)) if plot.is_relative_to(base) else str(plot)
+        with open(md, "a", encoding="utf-8") as f:
+            f.write("\n" + sweep_report.markdown(record, agg, ref))
+    return agg
 
 
-def run_compare(args: argparse.Namespace, requests: list[BenchRequest], serve: Serve) -> dict:
-    """Every round, self then peer; returns the document `--json` writes (less date/commit/args)."""
-    rounds: dict[str, list[dict]] = {side: [] for side in SIDES}
-    for i in range(args.compare_rounds):
-        for side in SIDES:
-            r = _run_side(args, side, requests, serve)
-            rounds[side].append(r)
-            print(f"# round {i + 1}/{args.compare_rounds} {side}: {_one_line(r)}", flush=True)
-    pids = {"self": args.self_pid, "peer": args.peer_pid}
-    doc: dict = {}
-    for side in SIDES:
-        url = args.url if side == "self" else args.compare
-        doc[side] = {"url": url, "model": rounds[side][0]["model"], "pid": pids[side], "rounds": rounds[side]}
-        doc[side]["figures"] = _figures(rounds[side], pids[side])
-    doc["ratios"] = ratios(doc["self"]["figures"], doc["peer"]["figures"])
-    passes = [p for side in SIDES for r in rounds[side] for p in (r["serving"], r["single"]) if p]
-    doc["failed_requests"] = sum(p["failed"] for p in passes)
-    return doc
+def run_compare_cli(args: argparse.Namespace, args_line: str) -> int:
+    """`--compare PEER_URL` on two running servers; see the module docstring."""
+    import httpx
 
+    from pipeserve.bench import prompts as prompts_mod
+    from pipeserve.bench import workloads
+    from pipeserve.bench.cachecheck import CacheHitError
+    from pipeserve.bench.launch import RunningServer
+    from pipeserve.bench.sweep import SweepSpec, run_sweep
 
-def _one_line(r: dict) -> str:
-    s = r["serving"]
-    line = f"{s['output_throughput']:.2f} out tok/s, TTFT p50 {s['ttft_ms']['p50'] or 0:.1f} ms"
-    if r["single"]:
-        line += f", single stream {r['single']['output_throughput']:.2f} tok/s"
-    return line + (f", {s['failed']} failed" if s["failed"] else "")
-
-
-def _cell(v: float | None, fmt: str) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v / 1e9:.2f}" if fmt == "GB" else fmt.format(v)
-
-
-def format_compare(doc: dict) -> str:
-    width = 78
-    lines = [" Compare: self = --url, peer = --compare ".center(width, "=")]
-    lines += [f"{side}: {doc[side]['url']} ({doc[side]['model']})" for side in SIDES]
-    lines.append(f"{'metric (median of rounds)':<34} {'self':>12} {'peer':>12} {'self/peer':>12}")
-    for key, label, fmt in FIGURES:
-        r = doc["ratios"][key]
-        cells = [_cell(doc[side]["figures"][key], fmt) for side in SIDES]
-        lines.append(f"{label:<34} {cells[0]:>12} {cells[1]:>12} {'n/a' if r is None else f'{r:.3f}x':>12}")
-    if doc["failed_requests"]:
-        lines.append(f"FAILED requests: {doc['failed_requests']} (ratios not valid)")
-    lines.append("=" * width)
-    return "\n".join(lines)
-
-
-def compare_table_md(doc: dict) -> list[str]:
-    lines = ["| metric (median of rounds) | self | peer | self ÷ peer |", "|---|---:|---:|---:|"]
-    for key, label, fmt in FIGURES:
-        r = doc["ratios"][key]
-        cells = [_cell(doc[side]["figures"][key], fmt) for side in SIDES]
-        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {'n/a' if r is None else f'{r:.3f}×'} |")
-    return lines
+    check_compare_args(args)
+    cells = cells_of(args)
+    if args.prompt_kind == "text":
+        maker: prompts_mod.Maker = prompts_mod.hf_text_prompts(args.tokenizer)
+    else:
+        maker = prompts_mod.IdPrompts(workloads.resolve_vocab_size(args.vocab_size, args.tokenizer))
+    # A new seed per run unless one is given: servers that stay up between runs must not see a
+    # prompt twice (the cache check would say so).
+    seed = args.prompt_seed if args.prompt_seed is not None else time.time_ns() % 2**31
+    fresh = prompts_mod.FreshPrompts(maker, seed)
+    servers: dict[str, Server] = {
+        "self": RunningServer(args.url, args.self_pid, api_key=args.api_key, model=args.model),
+        "peer": RunningServer(args.compare, args.peer_pid, api_key=args.api_key, model=args.peer_model),
+    }
+    spec = SweepSpec(
+        cells, args.compare_rounds, args.max_requests, args.cell_requests, args.warmup, args.timeout_s,
+        args.measures_caching,
+    )  # fmt: skip
+    label = args.label or f"{args.sweep} sweep, {args.prompt_kind} prompts"
+    record = new_record(label, args.sweep, args.compare_rounds, cells, fresh, servers)
+    record["command"] = args_line
+    status = 0
+    try:
+        run_sweep(servers, fresh, spec, record)
+    except CacheHitError as e:
+        print(f"pipeserve bench --compare: {e}", file=sys.stderr)
+        status = 1
+    except (httpx.HTTPError, ConnectionError) as e:
+        print(f"pipeserve bench --compare: cannot benchmark: {type(e).__name__}: {e}", file=sys.stderr)
+        status = 1
+    mds = [args.results_md] if args.results_md and status == 0 else []
+    finish(record, servers, args.json, mds, args.plot, fresh.issued)
+    return status or (1 if record["failed_requests"] else 0)

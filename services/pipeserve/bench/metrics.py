@@ -30,6 +30,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds
     error: str = ""
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
+    cache_n: int | None = None  # llama.cpp's `timings.cache_n` (prompt tokens a slot reused), when sent
     token_ids: list[int] = field(default_factory=list)  # generated ids, when the server returns them
     start: float = 0.0  # time.perf_counter() when sent (plots over time: bench/plot.py)
     retried: bool = False  # sent twice: the first try hit a connection the server had closed

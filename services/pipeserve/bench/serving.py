@@ -24,7 +24,6 @@ import asyncio
 import json
 import math
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -112,8 +111,9 @@ def _args_line(args: argparse.Namespace) -> str:
         unused = {"num_turns", "num_conversations"}
     else:
         unused = {"num_prefixes", "request_rate"}
-    if not getattr(args, "compare", None):
-        unused |= {"compare_rounds", "single_stream_requests"}  # --compare's own
+    if not getattr(args, "compare", None):  # --compare's own
+        unused |= {"compare_rounds", "sweep", "cells", "prompt_kind", "prompt_seed", "max_requests"}
+        unused |= {"cell_requests"}
     for k, v in _public_args(args).items():
         if v is None or v is False or v == "" or k in unused:
             continue
@@ -123,17 +123,9 @@ def _args_line(args: argparse.Namespace) -> str:
 
 
 def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+    from pipeserve.bench.host import git_commit
+
+    return git_commit()
 
 
 # The measuring modules (httpx, grpc, numpy) are imported inside the functions that use them:
@@ -215,7 +207,9 @@ def run_bench(args: argparse.Namespace) -> int:
         plot.require()  # before the run: a missing matplotlib is said at once
     args.progress = sys.stderr.isatty() and not args.quiet
     if args.compare:
-        return run_compare_cli(args)
+        from pipeserve.bench import compare
+
+        return compare.run_compare_cli(args, _args_line(args))
     results: list[RequestResult] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     summary: dict | None = None
@@ -274,30 +268,3 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         ok = summary is not None and summary["completed"]
     return 0 if ok else 1
-
-
-def run_compare_cli(args: argparse.Namespace) -> int:
-    """`--compare PEER_URL` (bench/compare.py): both servers, the ratios, --json / --results-md."""
-    import httpx
-
-    from pipeserve.bench import compare
-
-    compare.check_compare_args(args)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    try:
-        doc = compare.run_compare(args, build_workload(args), _serve)
-    except (httpx.HTTPError, ConnectionError) as e:
-        print(f"pipeserve bench --compare: cannot benchmark: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(compare.format_compare(doc))
-    doc = {"date": started, "label": args.label, "commit": _git_commit(), "args": _public_args(args), **doc}
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-    if args.results_md:
-        meta = {"date": started, "commit": _git_commit(), "self": args.url, "peer": args.compare}
-        lines = [f"## Compare: {args.label or args.workload + ' workload'}", ""]
-        lines += [f"- {k}: {v}" for k, v in meta.items()]
-        lines += ["", "```sh", _args_line(args), "```", "", *compare.compare_table_md(doc), ""]
-        with open(args.results_md, "a", encoding="utf-8") as f:
-            f.write("\n" + "\n".join(lines))
-    return 0 if doc["failed_requests"] == 0 else 1

@@ -1,7 +1,9 @@
 """Benchmark workloads: prompts as token-id lists plus an output length per request.
 
 Prompts are random token ids, so no tokenizer is needed and the server's prompt length is
-exactly what we sent. Lengths follow SGLang's random dataset: each request's input and
+exactly what we sent. (A request may carry text instead — `BenchRequest.text`, what
+bench/prompts.py makes for a side-by-side — and then `prompt` holds the bench tokenizer's ids.)
+Lengths follow SGLang's random dataset: each request's input and
 output length is drawn uniformly from [len * (1 - range_ratio), len]. Every draw comes
 from numpy Generators seeded by `--seed`, so a workload is reproducible run to run.
 """
@@ -25,6 +27,9 @@ DEFAULT_VOCAB_SIZE = 256
 class BenchRequest:
     prompt: list[int]
     output_len: int
+    # Sent instead of `prompt` when set, so the server tokenizes it; `prompt` is then its ids under
+    # the bench's tokenizer (the server's own count comes back in the usage chunk).
+    text: str | None = None
 
     @property
     def prompt_len(self) -> int:
