@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tarfile
 import urllib.request
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,6 +255,8 @@ def check(args: argparse.Namespace) -> None:
 
 def _one(args: argparse.Namespace, which: str, config: str) -> int:
     """One subject under one pipeserve configuration: prime, sweep, write; the exit status."""
+    import httpx
+
     from pipeserve.bench import compare, prompts
     from pipeserve.bench.cachecheck import CacheHitError
     from pipeserve.bench.sweep import SweepSpec, run_sweep
@@ -265,11 +268,15 @@ def _one(args: argparse.Namespace, which: str, config: str) -> int:
         "peer": llama(subject, args.port, logs),
     }
     cells = compare.cells_of(args)
-    fresh = prompts.FreshPrompts(prompts.hf_text_prompts(str(subject.model_dir)), args.seed)
-    spec = SweepSpec(cells, args.rounds, args.max_requests, args.cell_requests)
+    # A seed of its own per subject and configuration: no two runs of this sweep send the same prompts.
+    seed = (args.seed + zlib.crc32(f"{which}/{config}".encode())) % 2**31
+    fresh = prompts.FreshPrompts(prompts.hf_text_prompts(str(subject.model_dir)), seed)
+    # A request may wait behind 63 others of 2048 tokens on a 2-core machine: minutes, not a failure.
+    spec = SweepSpec(cells, args.rounds, args.max_requests, args.cell_requests, timeout_s=1800.0)
     label = f"{subject.label}; pipeserve {config} vs llama-server, {args.sweep} sweep"
     record = compare.new_record(label, args.sweep, args.rounds, cells, fresh, servers)
     record["command"] = " ".join(["python", "benchmarks/peer.py", *sys.argv[1:]])
+    record["one_at_a_time"] = True  # each server started for its turn, stopped after it
     for side, server in servers.items():  # unmeasured: conversions, page cache
         ready = fresh.requests(f"prime/{side}", 1, 16, 1)[0]
         with server.session(server.launch_key(cells[0]), ready) as live:
@@ -277,8 +284,8 @@ def _one(args: argparse.Namespace, which: str, config: str) -> int:
     status = 0
     try:
         run_sweep(servers, fresh, spec, record)
-    except CacheHitError as e:
-        print(f"peer.py compare: {e}", file=sys.stderr)
+    except (CacheHitError, RuntimeError, OSError, httpx.HTTPError) as e:  # the runs made so far are kept
+        print(f"peer.py compare: {type(e).__name__}: {e}", file=sys.stderr)
         status = 1
     out = Path(args.out)
     stem = out / f"{args.sweep}-{which}-{config}"

@@ -9,6 +9,7 @@ is checked on a real process tree.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from slot_server import slot_app
 from test_bench import Served, bench_cli
 
 from pipeserve.bench import sweep_report
-from pipeserve.bench.host import RssSampler, tree_pids, tree_rss
+from pipeserve.bench.host import ForeignCpu, RssSampler, tree_pids, tree_rss
 from serving_support import UpProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -137,6 +138,24 @@ def test_rss_sampler_sums_the_tree_while_it_runs():
         root.kill()
         root.wait(timeout=10)
     assert tree_pids(root.pid) == []
+
+
+def test_foreign_cpu_counts_what_runs_outside_the_tree():
+    """One process spinning for a second, watched at once as the server tree and as a stranger: the
+    stranger's view counts its time as foreign, the tree's does not — by about one CPU's share."""
+    loop = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    spin = subprocess.Popen([sys.executable, "-c", loop])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        as_tree, as_stranger = ForeignCpu(spin.pid), ForeignCpu(idle.pid)
+        time.sleep(1.0)
+        inside, outside = as_tree.share(), as_stranger.share()
+    finally:
+        spin.kill(), idle.kill()
+        spin.wait(timeout=10), idle.wait(timeout=10)
+    assert inside is not None and outside is not None
+    assert 0.15 < outside - inside <= 1.05 / (os.cpu_count() or 1)  # the spinner: at most one CPU
+    assert ForeignCpu(None).share() is None  # a server known by URL only
 
 
 @pytest.mark.slow

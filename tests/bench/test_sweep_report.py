@@ -58,7 +58,10 @@ def record(rounds: int = 3, failed_cell: str | None = None) -> dict:
         "command": "python benchmarks/peer.py compare --sweep reduced",
         "servers": {
             "self": {"describe": "pipeserve up", "commands": {"s2": ["pipeserve", "up", "--stages", "2"]}},
-            "peer": {"describe": "llama-server", "commands": {"np16-c16384": ["llama-server", "-np", "16"]}},
+            "peer": {
+                "describe": "llama-server",
+                "commands": {"np16-c16384": ["llama-server", "-np", "16"], "np64-c65536": ["llama-server"]},
+            },
         },
         "passes": passes,
         "sessions": sessions,
@@ -104,6 +107,7 @@ def test_tables_bold_the_misses_and_mark_failed_cells():
     assert f"CPU: {cpu['model']}" in md and ", ".join(cpu["flags"]) in md
     assert "llama-server -np 16" in md and "pipeserve up --stages 2" in md and "peer.py compare" in md
     assert "![ratios](ratios.png)" in md and "1244 prompts apart" in md
+    assert "peer was started 2 ways" in md and "# peer [np64-c65536]" in md
     assert "110.0]" in md  # the detail table's spread: 100.0 [90.0–110.0]
     assert "not medians" not in md
     assert "not medians" in sweep_report.markdown(record(1), sweep_report.aggregate(record(1)))

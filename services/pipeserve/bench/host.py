@@ -9,7 +9,10 @@ Contract:
     overstates a tree whose processes peak in turn (a converter that exits, then the stages);
   - `cpu_info()`: the CPU's model name and the flags a kernel's speed depends on, recorded beside
     every table so a figure is never read without the machine that made it; `git_commit()` the
-    code's.
+    code's;
+  - `ForeignCpu`: the share of the machine's CPUs that processes other than the measured server
+    tree and this bench used over a pass (/proc/stat's busy time less the tree's and ours): a
+    figure taken while something else ran is not the server's, and the report says so.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import platform
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 # The /proc/cpuinfo flags that decide which integer / float kernels a build can use.
@@ -129,6 +133,52 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def busy_ticks() -> int:
+    """CPU time the whole machine spent busy (every CPU; /proc/stat, in clock ticks)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in f.readline().split()[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+def proc_ticks(pid: int) -> int:
+    """CPU time of a process and of its reaped children (utime+stime+cutime+cstime); 0 when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return sum(int(v) for v in fields[11:15])
+
+
+class ForeignCpu:
+    """Over a window: the share of all CPUs used by anything but the `root` tree and this process.
+
+    A child of the tree that exits inside the window takes its time with it unless its parent reaps
+    it (then it is in the parent's cutime): short-lived helpers may count as foreign. None when the
+    tree is unknown (a server given by URL only).
+    """
+
+    def __init__(self, root: int | None) -> None:
+        self.root = root
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, int, int, int]:
+        tree = sum(proc_ticks(p) for p in tree_pids(self.root)) if self.root else 0
+        return time.monotonic(), busy_ticks(), tree, proc_ticks(os.getpid())
+
+    def share(self) -> float | None:
+        if self.root is None:
+            return None
+        t1, busy1, tree1, mine1 = self._read()
+        t0, busy0, tree0, mine0 = self.start
+        foreign = (busy1 - busy0) - (tree1 - tree0) - (mine1 - mine0)
+        cpus = os.cpu_count() or 1
+        return max(0.0, foreign / max(1e-9, (t1 - t0) * CLK_TCK * cpus))
 
 
 def cpu_info() -> dict:

@@ -16,7 +16,9 @@ runs already made stay in `record`, for the caller to write.
 
 A pass's figures (`pass_figures`): output throughput (tokens / duration, TTFT included), TTFT p50 and
 p99, TPOT p50, at C=1 the prompt processing rate (median over requests of the server's own prompt
-token count / TTFT), and the peak of the process tree's sampled RSS over the pass.
+token count / TTFT), and the peak of the process tree's sampled RSS over the pass. Beside them, the
+share of the CPUs other processes took during the pass (`host.ForeignCpu`): above `QUIET` the pass
+is flagged, on the console and in the report, as measured on a machine that was not quiet.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Protocol
 
 from pipeserve.bench import cachecheck, client, metrics
 from pipeserve.bench.cells import Cell
+from pipeserve.bench.host import ForeignCpu
 from pipeserve.bench.launch import Live
 from pipeserve.bench.metrics import RequestResult
 from pipeserve.bench.prompts import FreshPrompts
@@ -37,6 +40,7 @@ from pipeserve.bench.workloads import BenchRequest
 
 SIDES = ("self", "peer")
 READY_PROMPT_LEN = 16
+QUIET = 0.05  # the share of the CPUs other processes may use during a pass before it is flagged
 
 
 class Server(Protocol):
@@ -116,9 +120,11 @@ def run_pass(
     before = counters.read()
     if live.sampler:
         live.sampler.mark()
+    others = ForeignCpu(live.pid)
     sent = _send(live.url, server, warm, timed, cell, spec.timeout_s)
     model, warm_res, results, duration = asyncio.run(sent)
     rss = live.sampler.read_window() if live.sampler else None
+    foreign = others.share()
     cache = cachecheck.check_pass(side, warm_res + results, before, counters.read(), spec.measures_caching)
     summary = metrics.summarize(results, duration)
     return {
@@ -131,6 +137,7 @@ def run_pass(
         "cache": cache,
         "server_prompt_tokens_mean": summary["total_input_tokens"] / max(1, summary["completed"]),
         "failed": summary["failed"],
+        "foreign_cpu_share": foreign,
         "summary": _summary_brief(summary),
     }
 
@@ -187,4 +194,6 @@ def one_line(p: dict) -> str:
     if f["peak_rss_bytes"]:
         line += f", RSS {f['peak_rss_bytes'] / 2**20:.0f} MiB"
     line += f", cached tokens {p['cache']['hit_tokens']}"
+    if (share := p.get("foreign_cpu_share")) and share > QUIET:
+        line += f", NOT QUIET: other processes used {share:.0%} of the CPUs"
     return line + (f", {p['failed']} FAILED" if p["failed"] else "")

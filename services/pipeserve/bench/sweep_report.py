@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from pipeserve.bench.sweep import SIDES
+from pipeserve.bench.sweep import QUIET, SIDES
 
 # (key, column label, higher is better, how a value prints)
 FIGURES = (
@@ -160,6 +160,20 @@ def cache_line(record: dict) -> str:
     return "; ".join(parts)
 
 
+def quiet_line(record: dict) -> str | None:
+    """How much CPU other processes took during the passes; None where it was not measured."""
+    shares = [p.get("foreign_cpu_share") for p in record["passes"]]
+    known = [s for s in shares if s is not None]
+    if not known:
+        return None
+    loud = [s for s in known if s > QUIET]
+    line = f"other processes' share of the CPUs during a pass: median {statistics.median(known):.1%}, "
+    line += f"max {max(known):.1%}"
+    if loud:
+        line += f" — **machine not quiet in {len(loud)} of {len(known)} passes** (over {QUIET:.0%})"
+    return line
+
+
 def markdown(record: dict, agg: dict, plot: str | None = None) -> str:
     """The section `--results-md` appends: what ran where, with which commands, and the tables."""
     cpu = record["cpu"]
@@ -174,9 +188,21 @@ def markdown(record: dict, agg: dict, plot: str | None = None) -> str:
         f"reused only {record['reuse_distance']} prompts apart; {record['prompts_issued']} prompts)",
         f"- cache check: {cache_line(record)}",
     ]
+    if quiet := quiet_line(record):
+        lines.append(f"- {quiet}")
     for side in SIDES:
         lines.append(f"- {side}: {record['servers'][side]['describe']}")
-    lines += ["", "Commands (each server alone on the machine while it runs):", "", "```sh"]
+    alone = record.get("one_at_a_time")
+    lines += ["", "Commands" + (" (each server alone on the machine while it runs):" if alone else ":"), ""]
+    for side in SIDES:
+        launches = record["servers"][side].get("commands", {})
+        if len(launches) > 1:
+            lines += [
+                f"{side} was started {len(launches)} ways: a cell its first flags do not fit (more requests "
+                "in flight than slots, or a longer request than a slot holds) gets its own launch.",
+                "",
+            ]
+    lines += ["```sh"]
     lines += [record["command"]] if record.get("command") else []
     for side in SIDES:
         for key, argv in record["servers"][side].get("commands", {}).items():
