@@ -71,7 +71,7 @@ def one_run(name: str, up_argv: list[str], args: argparse.Namespace, seed: int) 
         cmd = [sys.executable, "-m", "pipeserve.cli", "bench", "--url", up.url, "--workload", "random"]
         cmd += ["--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency)]
         cmd += ["--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio)]
-        cmd += ["--output-len", str(args.output_len), "--seed", str(seed), "--warmup", "2"]
+        cmd += ["--output-len", str(args.output_len), "--seed", str(seed), "--warmup", "0"]
         cmd += ["--quiet", "--json", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=args.bench_timeout_s)
         summary = json.loads(out.read_text())["results"]

@@ -213,6 +213,22 @@ class PrefixFetch:
             req.fetch = Fetch.PROBED if blocks else Fetch.DONE
             req.l3_end += blocks
 
+    def await_probes(self, requests: dict[str, Request], timeout_s: float) -> bool:
+        """Take probe answers as they come, until none is outstanding or `timeout_s` has passed;
+        whether any came. (The directory answers 0 at once while Redis is known down.)"""
+        assert self.l3 is not None
+        deadline = time.monotonic() + timeout_s
+        got = False
+        while self._probed:
+            outstanding = len(self._probed)
+            self.take_probe_answers(requests)
+            got |= len(self._probed) < outstanding
+            left = deadline - time.monotonic()
+            if not self._probed or left <= 0:
+                break
+            self.l3.wait(left)
+        return got
+
     def on_ack(self, rank: int, ack: LoadAck) -> None:
         """One stage's answer; once every stage answered, use the blocks (all ok) or recompute."""
         load = self.ack(rank, ack)

@@ -47,6 +47,7 @@ from pipeserve.engine.request import Fetch, FinishReason, Request, RequestStatus
 
 POLL_S = 0.005  # while L3 loads await answers and nothing else moves, one poll plan per this (a faster
 # poll takes the GIL from the stage's own loader thread: a 2k-token load took twice as long at 1 ms)
+PROBE_WAIT_S = 0.005  # longest wait for the L3 probes of newly seen requests before planning without them
 STORE_WAIT_S = 0.01  # longest idle wait for the L3 write pacing (new requests are looked at after it)
 
 
@@ -133,7 +134,13 @@ class Scheduler:
             budget -= n
 
         if not preempted:
-            self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
+            probes = self.fetch.stats.probes
+            budget = self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
+            # A probe is answered within a Redis round trip: wait for those just asked (bounded)
+            # rather than leave their requests a whole step behind.
+            asked = self.fetch.stats.probes > probes
+            if asked and budget > 0 and self.fetch.await_probes(self.requests, PROBE_WAIT_S):
+                self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
 
         now = time.monotonic()
         plan = StepPlan(
@@ -166,9 +173,10 @@ class Scheduler:
         new_reqs: list[NewRequest],
         l2_loads: list[BlockCopy],
         l3_loads: list[LoadOrder],
-    ) -> None:
+    ) -> int:
         """Admit waiting requests in arrival order, each after its longest prefix in L1, then L2;
-        a request L3 may hold more of is probed and loaded first (it waits, the others go on)."""
+        a request L3 may hold more of is probed and loaded first (it waits, the others go on).
+        Returns the budget left."""
         bs = self.bm.block_size
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -193,14 +201,14 @@ class Scheduler:
                 req.fetch = Fetch.DONE
                 if k < req.l3_end:
                     if not self.fetch.order_load(req, hits, l2, prev, l2_loads, l3_loads):
-                        return  # no room: later requests wait too (arrival order)
+                        return budget  # no room: later requests wait too (arrival order)
                     i += 1
                     continue
             start = k * bs
             n = min(len(tokens) - start, budget)
             need = self.bm.blocks_needed(start + n) - len(hits)
             if not self.bm.can_allocate(need, hits):
-                return
+                return budget
             del self.waiting[i]
             self.bm.take_cached(hits)
             new = self.bm.allocate(need)
@@ -221,6 +229,7 @@ class Scheduler:
             req.in_executors = True
             chunks.append(self._chunk(req, n, list(req.block_ids)))
             budget -= n
+        return budget
 
     def _traces(self, new_reqs: list[NewRequest]) -> dict[str, str] | UnsetType:
         """Trace context of the sampled requests entering the executors (UNSET: none, bytes unchanged)."""
