@@ -33,7 +33,7 @@ apply_rotary = select("apply_rotary", cpu.apply_rotary, BACKEND, _GPU)
 silu_and_mul = select("silu_and_mul", cpu.silu_and_mul, BACKEND, _GPU)
 store_kv = select("store_kv", reference.store_kv, BACKEND, _GPU)
 paged_attention_decode = select("paged_attention_decode", cpu.paged_attention_decode, BACKEND, _GPU)
-paged_attention_prefill = select("paged_attention_prefill", reference.paged_attention_prefill, BACKEND, _GPU)
+paged_attention_prefill = select("paged_attention_prefill", cpu.paged_attention_prefill, BACKEND, _GPU)
 # Projections (cpu_linear.py), float32 on the CPU in auto mode: the native kernels' product on a dense
 # weight (native/: decode-sized M at the memory's rate; F.linear above), where they build and
 # the weight's width suits them; else oneDNN on a weight packed at load. F.linear for any other
@@ -53,8 +53,10 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     on the CPU in auto mode, else itself."""
     if BACKEND != "auto":
         return weight
-    if _native() is not None and cpu_linear.native_weight(weight):
-        return weight
+    kernels = _native()
+    if kernels is not None and cpu_linear.native_weight(weight):
+        if cpu_linear.native_f32_rows(kernels):  # this CPU's calibration: the native product wins
+            return weight
     return cpu_linear.pack_weight(weight)
 
 

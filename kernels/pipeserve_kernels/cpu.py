@@ -12,6 +12,10 @@ small ops per layer, each costing a dispatch and often an allocation, so these c
   block ids (a lone request's usual table) instead of gathering them; a group whose rows all have
   the group's longest context needs no mask; keys past the longest context are not read.
   Equal to the reference within float rounding (SDPA over fewer padded keys).
+* paged_attention_prefill: a chunk that starts the sequence (start_pos 0: every fresh prompt)
+  attends with SDPA's own causal flag over the query heads (keys shared by GQA groups), so no
+  [G*L, ctx] mask is built and the masked half of the scores is skipped (2.2x at 2048 tokens);
+  a later chunk keeps the reference's mask. Equal to the reference within float rounding.
 """
 
 from __future__ import annotations
@@ -113,3 +117,33 @@ def _attend(
     values = v_blocks.reshape(b, nb * bs, kvh, d)[:, :length].transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(q.view(b, kvh, -1, d), keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, -1, d)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: int,
+    scale: float,
+) -> torch.Tensor:
+    """reference.paged_attention_prefill's contract: q [L, H, D] at positions start_pos.. -> [L, H, D]."""
+    if start_pos:  # queries see the cached prefix and their own chunk: the reference's offset mask
+        return reference.paged_attention_prefill(q, k_cache, v_cache, block_table, start_pos, scale)
+    length, heads, d = q.shape
+    kvh = k_cache.shape[2]
+    blocks = block_table.tolist()
+    if _consecutive(blocks):  # a view of the pool, no gather
+        k_blocks, v_blocks = (
+            k_cache[blocks[0] : blocks[0] + len(blocks)],
+            v_cache[blocks[0] : blocks[0] + len(blocks)],
+        )
+    else:
+        k_blocks, v_blocks = k_cache[block_table], v_cache[block_table]
+    keys = k_blocks.reshape(-1, kvh, d)[:length].transpose(0, 1).to(q.dtype)[None]
+    values = v_blocks.reshape(-1, kvh, d)[:length].transpose(0, 1).to(q.dtype)[None]
+    gqa = kvh != heads  # SDPA pairs each kv head with its group of query heads
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    return out[0].transpose(0, 1)

@@ -15,13 +15,22 @@ from `F.linear` within float32 rounding (tests/kernels/test_cpu_linear.py bounds
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pipeserve_kernels.native import F32_K_MULTIPLE, F32_ROWS
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pipeserve_kernels.native import Native
@@ -81,15 +90,77 @@ def native_weight(weight: torch.Tensor) -> bool:
     return _dense_cpu_float32(weight) and weight.is_contiguous() and weight.shape[1] % F32_K_MULTIPLE == 0
 
 
+# The per-CPU guard of the native float32 product: the row counts it is timed at against oneDNN's
+# packed product, on a weight of the size of the benchmark model's projections.
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, F32_ROWS)
+CALIBRATION_SHAPE = (1024, 1024)
+
+
+def rows_that_win(native_s: dict[int, float], onednn_s: dict[int, float]) -> int:
+    """The largest row count up to which the native product was never slower (0: not even at 1 row)."""
+    rows = 0
+    for m in sorted(native_s):
+        if native_s[m] > onednn_s[m]:
+            break
+        rows = m
+    return rows
+
+
+def _best_of(fn: Callable[[], object], reps: int = 7, calls: int = 5) -> float:
+    """The fastest of `reps` timings of `calls` calls: a busy machine slows some, never speeds one up."""
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _measure(kernels: Native) -> tuple[dict[int, float], dict[int, float]]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*CALIBRATION_SHAPE, generator=g)
+    packed = pack_weight(w)
+    native_s, onednn_s = {}, {}
+    for m in CALIBRATION_ROWS:
+        x = torch.randn(m, CALIBRATION_SHAPE[1], generator=g)
+        native_s[m] = _best_of(functools.partial(kernels.f32_linear, x, w))
+        onednn_s[m] = _best_of(functools.partial(linear, x, packed, None))
+    return native_s, onednn_s
+
+
+@functools.cache
+def native_f32_rows(kernels: Native) -> int:
+    """Up to how many rows the native float32 product serves on this CPU (0: never; then float32
+    weights are packed for oneDNN and stages decode on the PyTorch layers). Measured against oneDNN
+    once per built library (per source, flags and CPU), kept in a file beside it; a CPU on which the
+    native kernels lose (the float32 step ran 2.1x slower than PyTorch's on an AVX2-only CPU before
+    its loops took the CPU's vector width, issue 27) so never takes them."""
+    path = kernels.path.with_suffix(".f32rows.json")
+    try:
+        return int(json.loads(path.read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    native_s, onednn_s = _measure(kernels)
+    rows = rows_that_win(native_s, onednn_s)
+    record = {"rows": rows, "native_s": native_s, "onednn_s": onednn_s, "threads": torch.get_num_threads()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)  # whole or absent: stages starting together may both measure, one wins
+    log.info("native float32 product: up to %d rows on this CPU (timed against oneDNN)", rows)
+    return rows
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Native | None = None
 ) -> torch.Tensor:
     """x [..., in] @ weight.T + bias -> [..., out]; weight dense or from pack_weight. With `kernels`
-    (the native CPU kernels), a dense float32 weight's product of up to F32_ROWS rows runs there."""
+    (the native CPU kernels), a dense float32 weight's product of up to native_f32_rows rows runs there."""
     if not weight.is_mkldnn:
         if kernels is not None and x.dtype == torch.float32 and native_weight(weight):
             flat = x.reshape(-1, x.shape[-1])
-            if flat.shape[0] <= F32_ROWS:
+            if flat.shape[0] <= native_f32_rows(kernels):
                 return kernels.f32_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])

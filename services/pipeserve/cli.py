@@ -30,6 +30,7 @@ import time
 from dataclasses import fields
 from typing import NoReturn
 
+from pipeserve import compute_env
 from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    compute_env.prepare()  # before any subcommand loads torch (libgomp reads it then)
     args = build_parser().parse_args(argv)
     try:
         configure_from_args(args)  # exported to the environment: child processes log the same way

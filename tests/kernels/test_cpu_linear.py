@@ -104,7 +104,8 @@ def test_loader_packs_every_projection_but_a_tied_head(tmp_path: Path, tied: boo
             assert not m.weight.is_mkldnn
             assert m.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
         else:
-            assert m.weight.is_mkldnn == (not native or m.in_features % F32_K_MULTIPLE != 0)
+            read_dense = native and K.cpu_linear.native_f32_rows(K.native.load()) > 0
+            assert m.weight.is_mkldnn == (not read_dense or m.in_features % F32_K_MULTIPLE != 0)
     dense = sum(t.numel() * t.element_size() for t in _dense_tensors(path))
     assert model.weight_bytes() == dense
 
@@ -124,3 +125,52 @@ def test_bfloat16_stage_keeps_dense_weights(tmp_path: Path) -> None:
     assert all(isinstance(m.weight, torch.nn.Parameter) for m in linears)
     dense = sum(t.numel() * 2 for t in _dense_tensors(path))  # the checkpoint's tensors in bfloat16
     assert model.weight_bytes() == dense
+
+
+def test_rows_that_win_is_the_prefix_where_native_was_never_slower() -> None:
+    onednn = {1: 1.0, 4: 2.0, 16: 4.0, 32: 8.0}
+    assert K.cpu_linear.rows_that_win({1: 0.5, 4: 1.0, 16: 5.0, 32: 1.0}, onednn) == 4
+    assert K.cpu_linear.rows_that_win({1: 0.5, 4: 2.0, 16: 4.0, 32: 8.0}, onednn) == 32
+    assert K.cpu_linear.rows_that_win({1: 1.5, 4: 1.0, 16: 1.0, 32: 1.0}, onednn) == 0
+
+
+_CALIBRATED_STAGE = """
+import json, sys
+import torch
+from pipeserve_kernels import native
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.layers import Linear
+from pipeserve.model.loader import load_stage_model
+from pipeserve.model.stage_model import StageSpec
+lib = native.load()
+lib.path.with_suffix(".f32rows.json").write_text(json.dumps({"rows": int(sys.argv[2])}))
+cfg = ModelConfig.from_dir(sys.argv[1], "float32")
+model = load_stage_model(sys.argv[1], cfg, StageSpec(0, 1, 0, cfg.num_layers), 64, torch.device("cpu"))
+packed = [m.weight.is_mkldnn for m in model.layers.modules() if isinstance(m, Linear)]
+print(json.dumps({"packed": packed, "native_rows": model.native.max_rows if model.native else None}))
+"""
+
+
+@needs_onednn
+@pytest.mark.skipif(K.native.load() is None or K.BACKEND != "auto", reason="needs the native kernels")
+@pytest.mark.parametrize(("rows", "packed", "native_rows"), [(0, True, None), (4, False, 4), (32, False, 32)])
+def test_a_cpu_where_the_native_product_loses_packs_for_onednn(
+    tmp_path: Path, rows: int, packed: bool, native_rows: int | None
+) -> None:
+    """The per-CPU guard read from the calibration file beside the library (a private
+    PIPESERVE_HOME): 0 rows keeps no weight dense and the stage decodes on the PyTorch layers;
+    otherwise weights stay dense and the native step takes at most that many rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = write_demo_model(tmp_path / "m", DemoSpec(layers=2))
+    env = {**os.environ, "PIPESERVE_HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [sys.executable, "-c", _CALIBRATED_STAGE, str(path), str(rows)],
+        env=env, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["packed"] == [packed] * 8
+    assert got["native_rows"] == native_rows

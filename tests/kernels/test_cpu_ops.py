@@ -27,7 +27,8 @@ def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tor
 def test_cpu_functions_are_the_exported_cpu_path() -> None:
     if K.BACKEND == "triton":
         pytest.skip("PIPESERVE_KERNELS=triton exports the Triton kernels")
-    for name in ("rms_norm", "rms_norm_residual", "apply_rotary", "silu_and_mul", "paged_attention_decode"):
+    names = ("rms_norm", "rms_norm_residual", "apply_rotary", "silu_and_mul", "paged_attention_decode")
+    for name in (*names, "paged_attention_prefill"):
         assert getattr(K, name) is getattr(cpu, name), name
 
 
@@ -99,3 +100,23 @@ def test_decode_reads_no_slot_past_the_context() -> None:
     table, lens = torch.tensor([[2, 3, 4, 5]]), torch.tensor([ctx])
     out = cpu.paged_attention_decode(randn(1, heads, d), k_cache, v_cache, table, lens, 0.25)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("length", [1, BS, 3 * BS + 1])
+@pytest.mark.parametrize("start_pos", [0, BS + 2])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_prefill_chunk(length: int, start_pos: int, consecutive: bool, heads: int, kv_heads: int) -> None:
+    """Causal attention of a chunk (a first chunk on SDPA's causal flag, a later one on the mask),
+    with a NaN in every slot past the chunk's last token: none of them may be read."""
+    d, ctx = 16, start_pos + length
+    nb = -(-ctx // BS)
+    k_cache, v_cache = pool(32, kv_heads, d, torch.float32)
+    ids = list(range(9, 9 + nb)) if consecutive else torch.randperm(32)[:nb].tolist()
+    for cache in (k_cache, v_cache):
+        cache[ids[-1], ctx - (nb - 1) * BS :] = float("nan")
+    table = torch.tensor(ids)
+    q = randn(length, heads, d, seed=7)
+    got = cpu.paged_attention_prefill(q, k_cache, v_cache, table, start_pos, 0.25)
+    torch.testing.assert_close(got, ref.paged_attention_prefill(q, k_cache, v_cache, table, start_pos, 0.25))
+    assert torch.isfinite(got).all()

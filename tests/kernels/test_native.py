@@ -2,16 +2,23 @@
 
 Tolerances:
 - q4_dequant: the weight (q - 8) * s + z of quant.py's nibble layout, within one float32 rounding.
-- more than INT_ROWS rows: float32 products (weight tiles, or a GEMM above FUSED_ROWS), within 1e-5
-  of max |y|.
+- more than INT_ROWS rows, on AVX2 (prefill.c): x is quantized to int8 per 32-element block, so
+  |err| <= sum_k |w| * max|x block| / 254 per output; without AVX2 float32 products (weight tiles,
+  or a GEMM above FUSED_ROWS), within 1e-5 of max |y|.
 - up to INT_ROWS rows: x is quantized to int16 per 32-element chunk (on AVX2), so the
   error is bounded by the rounding of x: |err| <= sum_k |w| * max|x chunk| / 65534 per output.
+- The products and the decode attention run on this CPU's build and on builds for the other x86 levels it
+  can execute (`LEVELS`: AVX2 without AVX-512 or VNNI, and no AVX2 at all), so each of the
+  integer paths (VNNI, AVX2's maddubs, float) is checked wherever the tests run.
 - decode attention: reference.paged_attention_decode within 1e-5 (float32, another summation
   order), across split boundaries (128 positions), GQA, ragged lengths, scattered blocks and
   float32 / float16 / bfloat16 pools.
 """
 
 from __future__ import annotations
+
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +28,36 @@ from pipeserve_kernels.native import FUSED_ROWS, INT_ROWS, KV_DTYPES, Dims
 
 KERNELS = native.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the native kernels are not built")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {
+        f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()
+    }
+
+
+# Other x86 levels (gcc -march) than this CPU's, each with the CPU flags it needs to run here.
+LEVELS = {"haswell": {"avx2", "fma", "f16c", "bmi2"}, "x86-64-v2": {"sse4_2", "popcnt"}}
+
+
+@pytest.fixture(scope="module", params=["native", *LEVELS])
+def kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> native.Native:
+    """The kernels built for this CPU, or for another x86 level this CPU can run (its own cache dir)."""
+    if request.param == "native":
+        assert KERNELS is not None
+        return KERNELS
+    if platform.machine() not in ("x86_64", "AMD64") or not LEVELS[request.param] <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run code built for {request.param}")
+    compiler = native.find_compiler()
+    assert compiler is not None
+    home = tmp_path_factory.mktemp(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPESERVE_HOME", str(home))
+        return native.Native(native.build(compiler, request.param))
 
 
 def _nibble_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -42,30 +79,37 @@ def test_dequant_is_the_nibble_weight(group: int) -> None:
     torch.testing.assert_close(KERNELS.int4_dequant(qn, s, z, group), w, atol=1e-6, rtol=1e-6)
 
 
-def _assert_close_to(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """y [M, N] of a product of x [M, K] and w [N, K] against its float64 `ref`: within 1e-5 of max
-    |ref| above INT_ROWS rows (float products), else within the bound x's int16 rounding implies."""
+def _assert_close_to(
+    y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, lib: native.Native
+) -> None:
+    """y [M, N] of a product of x [M, K] and w [N, K] against its float64 `ref`: above INT_ROWS rows
+    within the bound x's int8 rounding implies (prefill.c) or 1e-5 of max |ref| (float products),
+    up to INT_ROWS within the bound of x's int16 rounding."""
     rows, k = x.shape
     err = (y.double() - ref).abs()
-    if rows > INT_ROWS:
+    if rows > INT_ROWS and not lib.int8_prefill:
         assert err.max().item() <= 1e-5 * ref.abs().max().item()
-    else:
-        chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
-        bound = (chunk_max.double() / 65534) @ w.abs().double().t() + 1e-5
-        assert bool((err <= bound).all()), (err / bound).max().item()
+        return
+    levels = 254 if rows > INT_ROWS else 65534  # 2 * the largest |xq|: half a step of rounding
+    chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
+    bound = (chunk_max.double() / levels) @ w.abs().double().t() + 1e-5
+    assert bool((err <= bound).all()), (err / bound).max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, INT_ROWS, INT_ROWS + 1, 100, FUSED_ROWS + 1])
-@pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_matches_its_dequantized_weight(rows: int, bias: bool) -> None:
-    n, k, group = 72, 192, 64  # n not a multiple of the kernels' row tiles
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, INT_ROWS, INT_ROWS + 1, 19, 100, FUSED_ROWS + 1])
+@pytest.mark.parametrize(("bias", "group"), [(False, 64), (True, 64), (True, 32)])
+def test_int4_linear_matches_its_dequantized_weight(
+    rows: int, bias: bool, group: int, kernels: native.Native
+) -> None:
+    n, k = 72, 192  # n not a multiple of the kernels' row tiles (4, 8, 16)
     qn, s, z, w = _nibble_weight(n, k, group, seed=rows)
     g = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, k, generator=g)
+    x[0, :32] *= 50.0  # one block far larger than the rest: x's scales are per block, not per row
     b = torch.randn(n, generator=g) if bias else None
-    y = KERNELS.int4_linear(x, qn, s, z, group, b)
+    y = kernels.int4_linear(x, qn, s, z, group, b)
     ref = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
-    _assert_close_to(y, ref, x, w)
+    _assert_close_to(y, ref, x, w, kernels)
 
 
 def _dims(
@@ -76,7 +120,9 @@ def _dims(
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1], [127], [128], [129], [300, 5, 256, 129]])
-def test_decode_attention_matches_the_reference(lens: list[int], kv_dtype: torch.dtype) -> None:
+def test_decode_attention_matches_the_reference(
+    lens: list[int], kv_dtype: torch.dtype, kernels: native.Native
+) -> None:
     heads, kv_heads, d, bs = 6, 2, 32, 16
     b = len(lens)
     width = max(-(-n // bs) for n in lens)
@@ -96,7 +142,7 @@ def test_decode_attention_matches_the_reference(lens: list[int], kv_dtype: torch
     q = proj[:, : heads * d].reshape(b, heads, d)
     out = torch.empty(b, heads * d)
     dims = _dims(heads, kv_heads, d, blocks, bs, kv_dtype)
-    KERNELS.decode_attention(
+    kernels.decode_attention(
         proj.data_ptr(), row_width, kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), width,
         ctx.data_ptr(), b, native.ctypes.byref(dims), out.data_ptr(),
     )  # fmt: skip
@@ -105,29 +151,31 @@ def test_decode_attention_matches_the_reference(lens: list[int], kv_dtype: torch
 
 
 @pytest.mark.parametrize("rows", [1, 3, INT_ROWS, INT_ROWS + 1, 70])
-def test_int8_linear_is_its_q8_0_blocks(rows: int) -> None:
-    """q8_matmul over Q8_0 blocks (w = q * d per 32): float tiles above INT_ROWS rows, int16 x below."""
+def test_int8_linear_is_its_q8_0_blocks(rows: int, kernels: native.Native) -> None:
+    """q8_matmul over Q8_0 blocks (w = q * d per 32): int8 x (float tiles without AVX2) above
+    INT_ROWS rows, int16 x below; the weights span all of [-127, 127] (w + 128 and |w| paths)."""
     n, k = 50, 160
     g = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0, :2] = torch.tensor([-127, 127], dtype=torch.int8)
     d = torch.rand(n, k // 32, generator=g) * 0.01
     w = (q.float().reshape(n, -1, 32) * d[..., None]).reshape(n, k)
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g)
-    y = KERNELS.int8_linear(x, q, d, b)
+    y = kernels.int8_linear(x, q, d, b)
     ref = x.double() @ w.double().t() + b.double()
-    _assert_close_to(y, ref, x, w)
+    _assert_close_to(y, ref, x, w, kernels)
 
 
 @pytest.mark.parametrize("k", [192, 208])  # 208: a tail past the 64-wide unroll
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 33])
-def test_f32_linear_is_f_linear(rows: int, k: int) -> None:
+def test_f32_linear_is_f_linear(rows: int, k: int, kernels: native.Native) -> None:
     """The dense float32 product (native.f32_linear) equals F.linear within float32 rounding of
     sums of K products (another order than MKL's)."""
     n = 70
     g = torch.Generator().manual_seed(rows)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
-    y = KERNELS.f32_linear(x, w, b)
+    y = kernels.f32_linear(x, w, b)
     ref = x.double() @ w.double().t() + b.double()
     bound = 1e-6 * (x.abs().double() @ w.abs().double().t() + b.abs().double())  # ~8 ulp of |x||w|
     assert bool(((y.double() - ref).abs() <= bound).all())

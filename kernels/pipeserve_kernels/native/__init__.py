@@ -31,9 +31,12 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # One library from these (native.h is their shared header): the build's inputs and its cache key.
-SOURCES = [HERE / name for name in ("common.c", "q4.c", "dense.c", "decode.c")]
+SOURCES = [HERE / name for name in ("common.c", "q4.c", "dense.c", "decode.c", "prefill.c")]
 HEADER = HERE / "native.h"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# What the library is compiled for: this CPU. The tests also build other x86 levels (an AVX2-only
+# CPU, one without AVX2) to check the kernels each of them selects.
+NATIVE_ARCH = "native"
 BUILD_TIMEOUT_S = 120.0
 
 
@@ -51,18 +54,25 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def library_path(compiler: str) -> Path:
+def _flags(arch: str) -> list[str]:
+    # -Wno-psabi: 64-byte vector types on a CPU without AVX-512 warn of an ABI no caller crosses
+    # (every function taking one is static inline).
+    return [f"-march={arch}", "-Wno-psabi", *FLAGS]
+
+
+def library_path(compiler: str, arch: str = NATIVE_ARCH) -> Path:
     key = hashlib.sha256()
     for path in (*SOURCES, HEADER):
         key.update(path.read_bytes())
-    for part in (" ".join([compiler, *FLAGS]).encode(), _cpu_id().encode()):
+    for part in (" ".join([compiler, *_flags(arch)]).encode(), _cpu_id().encode()):
         key.update(part)
     return cache_dir() / f"q4-{key.hexdigest()[:16]}.so"
 
 
-def build(compiler: str) -> Path:
-    """Compile the sources (if not already cached) and return the shared object's path; raises on failure."""
-    target = library_path(compiler)
+def build(compiler: str, arch: str = NATIVE_ARCH) -> Path:
+    """Compile the sources for `arch` (gcc's -march; default this CPU) if not already cached and
+    return the shared object's path; raises on failure."""
+    target = library_path(compiler, arch)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +80,7 @@ def build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *_flags(arch), *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             timeout=BUILD_TIMEOUT_S,
@@ -83,9 +93,10 @@ def build(compiler: str) -> Path:
 
 
 # Up to INT_ROWS rows (native.h) the kernels dequantize each weight chunk in registers and, on AVX2,
-# quantize x to int16 per 32 elements for an integer dot; up to FUSED_ROWS rows they multiply on
-# float tiles of the weight; above, the weight is dequantized to float32 and multiplied by torch
-# (oneDNN/MKL), faster at prefill sizes (benchmarks/RESULTS.md, issue 22).
+# quantize x to int16 per 32 elements for an integer dot. Above, on AVX2, prefill.c quantizes x to
+# int8 per 32 elements and multiplies with the CPU's integer dot product (VNNI or maddubs) on
+# repacked weight tiles (`Native.int8_prefill`). Without AVX2: up to FUSED_ROWS rows float tiles
+# of the weight; above, the weight dequantized to float32 and torch's GEMM (oneDNN/MKL).
 INT_ROWS = 16
 FUSED_ROWS = 256
 
@@ -176,6 +187,8 @@ class Native:
         self._decode_step = lib.decode_step
         self._decode_step.argtypes = [p, p, i, i, p, p, p, p, p, i, p, p]
         self._decode_step.restype = None
+        # prefill.c is built (AVX2): more than INT_ROWS rows multiply in int8 on the weights' blocks.
+        self.int8_prefill = bool(lib.int8_prefill())
         self._set_threads = lib.set_threads
         self._set_threads.argtypes = [i]
         self._set_threads.restype = None
@@ -196,7 +209,7 @@ class Native:
         m, k = x.shape
         n = qweight.shape[0]
         x = x.contiguous()
-        if m > FUSED_ROWS:
+        if m > FUSED_ROWS and not self.int8_prefill:
             w = self.int4_dequant(qweight, scales, zeros, group, out=self._weight_room(n * k))
             return torch.addmm(bias, x, w.t()) if bias is not None else x @ w.t()
         y = torch.empty(m, n, dtype=torch.float32)
@@ -283,6 +296,11 @@ class Native:
         return w
 
 
+def find_compiler() -> str | None:
+    """$CC, else cc or gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @functools.cache
 def load() -> Native | None:
     """The native kernels, built if needed; None where they cannot be (no compiler, build error).
@@ -290,7 +308,7 @@ def load() -> Native | None:
     Cached per process (the library is immutable once loaded); the OS shares its pages between
     processes. Callers that must not use it (PIPESERVE_KERNELS=torch) do not call this.
     """
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         log.info("no C compiler: the native CPU kernels are off")
         return None

@@ -11,10 +11,13 @@ void set_threads(int n) { n_threads = n; }
 
 int threads(void) { return n_threads > 0 ? n_threads : omp_get_max_threads(); }
 
+/* Whether the integer products for many rows (prefill.c) are built here: 1 where AVX2 is. */
+int int8_prefill(void) { return PREFILL_INT8; }
+
 /* Grow-only per-thread buffer `slot` (a few per thread) of at least n floats, 64-byte aligned. */
 float *scratch(int slot, size_t n) {
-    static __thread float *buf[6];
-    static __thread size_t cap[6];
+    static __thread float *buf[SCRATCH_SLOTS];
+    static __thread size_t cap[SCRATCH_SLOTS];
     if (cap[slot] < n) {
         free(buf[slot]);
         size_t bytes = ((n * sizeof(float) + 63) / 64) * 64;

@@ -28,34 +28,32 @@ typedef struct {
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 static const size_t KV_BYTES[] = {4, 2, 2};
 
-typedef _Float16 v16h __attribute__((vector_size(32)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef _Float16 vh __attribute__((vector_size(VL * 2)));
+typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
-/* 16 pool elements at element offset i of `base` as floats; always inlined with a constant kvt. */
-static inline __attribute__((always_inline)) v16 kv_load(const void *base, size_t i, const int kvt) {
-    if (kvt == KV_F32) return load16((const float *)base + i);
+/* VL pool elements at element offset i of `base` as floats; always inlined with a constant kvt. */
+static inline __attribute__((always_inline)) vf kv_load(const void *base, size_t i, const int kvt) {
+    if (kvt == KV_F32) return loadv((const float *)base + i);
 #if defined(__AVX512F__)
     if (kvt == KV_F16) { /* the conversion instruction itself: GCC's generic _Float16 path is slower */
         __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
-        v16 out;
+        vf out;
         memcpy(&out, &f, sizeof out);
         return out;
     }
 #elif defined(__F16C__)
     if (kvt == KV_F16) {
-        const __m128i *p = (const __m128i *)((const uint16_t *)base + i);
-        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(p)), b = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
-        v16 out;
-        memcpy(&out, &a, sizeof a);
-        memcpy((char *)&out + sizeof a, &b, sizeof b);
+        __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+        vf out;
+        memcpy(&out, &f, sizeof out);
         return out;
     }
 #endif
-    v16u16 h;
+    vu16 h;
     memcpy(&h, (const uint16_t *)base + i, sizeof h);
-    if (kvt == KV_F16) return __builtin_convertvector((v16h)h, v16);
-    return (v16)(__builtin_convertvector(h, v16u) << 16); /* bfloat16: the high half of a float */
+    if (kvt == KV_F16) return __builtin_convertvector((vh)h, vf);
+    return (vf)(__builtin_convertvector(h, vu) << 16); /* bfloat16: the high half of a float */
 }
 
 /* n (% 16 == 0) floats into the pool at element offset i, rounded to nearest-even as torch's .to(). */
@@ -64,14 +62,14 @@ static void kv_store(void *base, size_t i, const float *src, int n, int kvt) {
         memcpy((float *)base + i, src, (size_t)n * sizeof(float));
         return;
     }
-    for (int j = 0; j < n; j += 16) {
-        v16 f = load16(src + j);
-        v16u16 h;
+    for (int j = 0; j < n; j += VL) {
+        vf f = loadv(src + j);
+        vu16 h;
         if (kvt == KV_F16) {
-            h = (v16u16)__builtin_convertvector(f, v16h);
+            h = (vu16)__builtin_convertvector(f, vh);
         } else {
-            v16u u = (v16u)f;
-            h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, v16u16);
+            vu u = (vu)f;
+            h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vu16);
         }
         memcpy((uint16_t *)base + i + j, &h, sizeof h);
     }
@@ -120,27 +118,27 @@ static inline __attribute__((always_inline)) void head_part(const float *q, cons
                                                             const int64_t *table, int p0, int p1, int bs,
                                                             size_t stride, float scale, const int HD,
                                                             const int kvt, float *sc, float *part) {
-    v16 qv[HD / 16], acc[HD / 16];
-    for (int i = 0; i < HD / 16; i++) qv[i] = load16(q + 16 * i), acc[i] = (v16){0};
+    vf qv[HD / VL], acc[HD / VL];
+    for (int i = 0; i < HD / VL; i++) qv[i] = loadv(q + VL * i), acc[i] = (vf){0};
     int len = p1 - p0, padded = (len + 15) & ~15;
     for (int p = p0; p < p1;) {
         int o = p % bs;
         size_t at = ((size_t)table[p / bs] * bs + o) * stride;
         for (; o < bs && p < p1; o++, p++, at += stride) {
-            v16 dot = qv[0] * kv_load(kc, at, kvt);
-            for (int i = 1; i < HD / 16; i++) dot += qv[i] * kv_load(kc, at + 16 * i, kvt);
-            sc[p - p0] = hsum16(dot) * scale;
+            vf dot = qv[0] * kv_load(kc, at, kvt);
+            for (int i = 1; i < HD / VL; i++) dot += qv[i] * kv_load(kc, at + VL * i, kvt);
+            sc[p - p0] = hsumv(dot) * scale;
         }
     }
     for (int p = len; p < padded; p++) sc[p] = -INFINITY;
-    v16 mv = load16(sc);
-    for (int p = 16; p < padded; p += 16) mv = vmax(mv, load16(sc + p));
+    vf mv = loadv(sc);
+    for (int p = VL; p < padded; p += VL) mv = vmax(mv, loadv(sc + p));
     float mx = mv[0];
-    for (int i = 1; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
-    v16 tv = {0};
-    for (int p = 0; p < padded; p += 16) {
-        v16 e = vexp(load16(sc + p) - mx);
-        store16(sc + p, e);
+    for (int i = 1; i < VL; i++) mx = mv[i] > mx ? mv[i] : mx;
+    vf tv = {0};
+    for (int p = 0; p < padded; p += VL) {
+        vf e = vexp(loadv(sc + p) - mx);
+        storev(sc + p, e);
         tv += e;
     }
     for (int p = p0; p < p1;) {
@@ -148,11 +146,11 @@ static inline __attribute__((always_inline)) void head_part(const float *q, cons
         size_t at = ((size_t)table[p / bs] * bs + o) * stride;
         for (; o < bs && p < p1; o++, p++, at += stride) {
             float w = sc[p - p0];
-            for (int i = 0; i < HD / 16; i++) acc[i] += w * kv_load(vc, at + 16 * i, kvt);
+            for (int i = 0; i < HD / VL; i++) acc[i] += w * kv_load(vc, at + VL * i, kvt);
         }
     }
-    part[0] = mx, part[1] = hsum16(tv);
-    for (int i = 0; i < HD / 16; i++) store16(part + 2 + 16 * i, acc[i]);
+    part[0] = mx, part[1] = hsumv(tv);
+    for (int i = 0; i < HD / VL; i++) storev(part + 2 + VL * i, acc[i]);
 }
 
 #define HEAD_PART(HD, KVT) head_part(q, kb, vb, table, p0, p1, d->block_size, stride, d->scale, HD, KVT, sc, pj)
@@ -262,9 +260,9 @@ void decode_step(const Dims *d, const Layer *layers, int n_layers, int b, float 
         for (int r = 0; r < b; r++) {
             const float *g = proj + (size_t)r * 2 * d->inter, *u = g + d->inter;
             float *a = act + (size_t)r * d->inter;
-            for (int i = 0; i < d->inter; i += 16) {
-                v16 gv = load16(g + i);
-                store16(a + i, gv / (1.f + vexp(-gv)) * load16(u + i));
+            for (int i = 0; i < d->inter; i += VL) {
+                vf gv = loadv(g + i);
+                storev(a + i, gv / (1.f + vexp(-gv)) * loadv(u + i));
             }
         }
         matmul(act, xp, b, &ly->down, proj);

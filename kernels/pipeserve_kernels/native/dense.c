@@ -3,6 +3,7 @@
 
 /* ---- 8-bit weights in Q8_0 blocks: w[n, k] = q[n, k] * d[n, k / 32], q int8, d float32 ---- */
 
+#if !PREFILL_INT8 /* else prefill.c serves more than INT_ROWS rows */
 static void q8_dequant_rows(const int8_t *q, const float *d, int k, int n0, int rows, float *tile) {
     for (int r = 0; r < rows; r++) {
         const int8_t *qr = q + (size_t)(n0 + r) * k;
@@ -16,6 +17,7 @@ static void q8_dequant_rows(const int8_t *q, const float *d, int k, int n0, int 
         }
     }
 }
+#endif
 
 #if defined(__AVX2__)
 static inline __attribute__((always_inline)) void q8_rows_int(const QX *x, const int m, int k, const int8_t *q,
@@ -72,7 +74,8 @@ void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, in
         }
         return;
     }
-#endif
+    q8_matmul_int8(x, m, k, q, d, n, bias, y);
+#else
     int nb = 64, tiles = (n + nb - 1) / nb;
 #pragma omp parallel for schedule(static) num_threads(threads())
     for (int t = 0; t < tiles; t++) {
@@ -81,35 +84,36 @@ void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, in
         q8_dequant_rows(q, d, k, n0, rows, tile);
         tile_matmul(x, m, k, tile, rows, n0, n, bias, y);
     }
+#endif
 }
 
 /* ---- float32 weights (--quantization none): few rows, read at the memory's rate ---- */
 
 /* y rows [n0, n1) for m (<= SMALL_M, constant when inlined) rows of x; one row of x keeps four
- * accumulators so the FMA chain does not bound the weight stream. K % 16 == 0. */
+ * accumulators so the FMA chain does not bound the weight stream. K % 16 == 0 (so % VL). */
 static inline __attribute__((always_inline)) void f32_rows(const float *x, const int m, int k, const float *w,
                                                            int n0, int n1, int n, const float *bias, float *y) {
     for (int r = n0; r < n1; r++) {
         const float *wr = w + (size_t)r * k;
         float out[SMALL_M];
         if (m == 1) {
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             int c = 0;
-            for (; c + 64 <= k; c += 64) {
-                a0 += load16(x + c) * load16(wr + c);
-                a1 += load16(x + c + 16) * load16(wr + c + 16);
-                a2 += load16(x + c + 32) * load16(wr + c + 32);
-                a3 += load16(x + c + 48) * load16(wr + c + 48);
+            for (; c + 4 * VL <= k; c += 4 * VL) {
+                a0 += loadv(x + c) * loadv(wr + c);
+                a1 += loadv(x + c + VL) * loadv(wr + c + VL);
+                a2 += loadv(x + c + 2 * VL) * loadv(wr + c + 2 * VL);
+                a3 += loadv(x + c + 3 * VL) * loadv(wr + c + 3 * VL);
             }
-            for (; c < k; c += 16) a0 += load16(x + c) * load16(wr + c);
-            out[0] = hsum16((a0 + a1) + (a2 + a3));
+            for (; c < k; c += VL) a0 += loadv(x + c) * loadv(wr + c);
+            out[0] = hsumv((a0 + a1) + (a2 + a3));
         } else {
-            v16 acc[SMALL_M] = {{0}};
-            for (int c = 0; c < k; c += 16) {
-                v16 wv = load16(wr + c);
-                for (int i = 0; i < m; i++) acc[i] += load16(x + (size_t)i * k + c) * wv;
+            vf acc[SMALL_M] = {{0}};
+            for (int c = 0; c < k; c += VL) {
+                vf wv = loadv(wr + c);
+                for (int i = 0; i < m; i++) acc[i] += loadv(x + (size_t)i * k + c) * wv;
             }
-            for (int i = 0; i < m; i++) out[i] = hsum16(acc[i]);
+            for (int i = 0; i < m; i++) out[i] = hsumv(acc[i]);
         }
         for (int i = 0; i < m; i++) y[(size_t)i * n + r] = out[i] + (bias ? bias[r] : 0.f);
     }

@@ -40,28 +40,59 @@ static inline float hsum16(v16 v) { /* a tree, not 16 dependent adds */
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* Lane-wise select (C has no vector ?:): mask lanes are -1 (take a) or 0 (take b). */
-static inline v16 vsel(v16i mask, v16 a, v16 b) { return (v16)(((v16i)a & mask) | ((v16i)b & ~mask)); }
-static inline v16 vmax(v16 a, v16 b) { return vsel(a > b, a, b); }
-static inline v16 vmin(v16 a, v16 b) { return vsel(a < b, a, b); }
+/* The CPU's own float vector, VL lanes: 16 with AVX-512, else 8. Without AVX-512 GCC has no machine
+ * mode for a 64-byte vector, so v16 code there is lowered through memory (the float32 product ran
+ * 4-8x slower on an AVX2-only CPU: benchmarks/RESULTS.md, issue 27); every loop that runs on such a
+ * CPU (the decode step, the float32 product, x's int8 quantization) steps by VL on vf. v16 is kept
+ * for 16-element units (a 32-element block's nibble halves) on paths AVX2 CPUs do not take. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vfi __attribute__((vector_size(VL * 4)));
 
-/* exp over 16 lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]); inputs below -87 give ~0. */
-static inline v16 vexp(v16 x) {
-    const v16 zero = {0};
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsumv(vf v) { /* a tree, not VL dependent adds */
+#if VL == 16
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8 a = v;
+#endif
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Lane-wise select (C has no vector ?:): mask lanes are -1 (take a) or 0 (take b). */
+static inline vf vsel(vfi mask, vf a, vf b) { return (vf)(((vfi)a & mask) | ((vfi)b & ~mask)); }
+static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+static inline vf vmin(vf a, vf b) { return vsel(a < b, a, b); }
+
+/* exp over VL lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]); inputs below -87 give ~0. */
+static inline vf vexp(vf x) {
+    const vf zero = {0};
     x = vmin(vmax(x, zero - 87.f), zero + 88.f);
-    v16 t = x * 1.44269504088896341f;
-    v16 n = __builtin_convertvector(__builtin_convertvector(t, v16i), v16);
-    n += __builtin_convertvector(n > t, v16);         /* floor(t): true lanes are -1 */
-    n -= __builtin_convertvector(t - n >= 0.5f, v16); /* nearest */
-    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    vf t = x * 1.44269504088896341f;
+    vf n = __builtin_convertvector(__builtin_convertvector(t, vfi), vf);
+    n += __builtin_convertvector(n > t, vf);         /* floor(t): true lanes are -1 */
+    n -= __builtin_convertvector(t - n >= 0.5f, vf); /* nearest */
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    v16 e = p * r * r + r + 1.f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return e * (v16)bits;
+    vf e = p * r * r + r + 1.f;
+    vfi bits = (__builtin_convertvector(n, vfi) + 127) << 23;
+    return e * (vf)bits;
 }
 
 static inline float bf16(uint16_t h) {
@@ -78,8 +109,9 @@ static inline v16 nibbles(v16b q) { return __builtin_convertvector(__builtin_con
 int threads(void);
 
 /* Grow-only per-thread buffer `slot` of at least n floats, 64-byte aligned (common.c). Slots: 0
- * weight tiles, 1 reordered x, 2 attention scores, 3 decode-step activations, 4 quantized x,
- * 5 attention partials. */
+ * weight tiles, 1 reordered x, 2 attention scores, 3 decode-step activations, 4 int16 x,
+ * 5 attention partials, 6 int8 x (prefill.c). */
+#define SCRATCH_SLOTS 7
 float *scratch(int slot, size_t n);
 
 #define SMALL_M 4
@@ -117,6 +149,18 @@ QX quantize_x(const float *xp, int m, int k);
 static inline QX qx_rows(const QX *x, int i0, int k) {
     return (QX){x->q + (size_t)i0 * k, x->dx + (size_t)i0 * (k / 32), x->sum + (size_t)i0 * (k / 32)};
 }
+#endif
+
+/* Integer products for more than INT_ROWS rows (prefill.c): x quantized to int8 per 32 elements,
+ * the CPU's u8 x s8 dot product (VNNI, else AVX2's maddubs). Needs AVX2. */
+#if defined(__AVX2__)
+#define PREFILL_INT8 1
+void q4_matmul_int8(const float *x, int m, int k, const uint8_t *q, const uint16_t *s, const uint16_t *z, int n,
+                    int g, const float *bias, float *y);
+void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias,
+                    float *y);
+#else
+#define PREFILL_INT8 0
 #endif
 
 /* The weight kinds' products (q4.c, dense.c), y [M, N] = x [M, K] @ W^T (+ bias). */

@@ -134,6 +134,12 @@ static void rows_small_any(const float *xp, int m, int k, const uint8_t *q, cons
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL); xp [M, K] is the caller's room for x reordered. */
 void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, const uint16_t *s,
                            const uint16_t *z, int n, int g, const float *bias, float *y) {
+#if PREFILL_INT8
+    if (m > INT_ROWS) { /* x in its natural order: prefill.c repacks the weight instead */
+        q4_matmul_int8(x, m, k, q, s, z, n, g, bias, y);
+        return;
+    }
+#endif
     deinterleave(x, xp, m, k);
     if (m <= INT_ROWS) {
         int per = 16; /* output rows per task: whole cache lines of y, many tasks to balance */

@@ -24,7 +24,6 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf_blocks import GgufBlocks
 from pipeserve.model.gguf_blocks import install as install_blocks
 from pipeserve.model.memory import return_freed_memory
-from pipeserve.model.native_decode import MAX_ROWS as NATIVE_MAX_ROWS
 from pipeserve.model.quant import quantize_model
 from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
@@ -254,7 +253,7 @@ def load_stage_model(
         log.info(
             "stage %d: decode steps of up to %d rows run natively (pipeserve_kernels.native)",
             stage.rank,
-            NATIVE_MAX_ROWS,
+            model.native.max_rows if model.native is not None else 0,
         )
     return_freed_memory()  # the load's temporaries (~200 MB for the default model in gguf mode)
     return model

@@ -25,11 +25,12 @@ import torch
 
 from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear
 from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear, native_kernels
-from pipeserve_kernels.cpu_linear import native_weight
+from pipeserve_kernels.cpu_linear import native_f32_rows, native_weight
 from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, W_Q8, Dims, Layer
 
 # The most decode rows one native step takes: below this its products beat torch's batched ones
-# (benchmarks/RESULTS.md, issue 22).
+# (benchmarks/RESULTS.md, issue 22); a float32 stage takes at most what its CPU's calibration
+# allows (cpu_linear.native_f32_rows).
 MAX_ROWS = 32
 
 
@@ -62,15 +63,13 @@ def _projection_kind(p: torch.nn.Module) -> int | None:
     return None
 
 
+def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...]:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
 def _servable(layer: DecoderLayer) -> bool:
     """Every projection of one kind the native kernels read; float32 norms."""
-    projections = (
-        layer.self_attn.qkv_proj,
-        layer.self_attn.o_proj,
-        layer.mlp.gate_up_proj,
-        layer.mlp.down_proj,
-    )
-    kinds = {_projection_kind(p) for p in projections}
+    kinds = {_projection_kind(p) for p in _projections(layer)}
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return None not in kinds and all(n.weight.dtype == torch.float32 for n in norms)
 
@@ -87,6 +86,9 @@ class NativeDecoder:
             raise ValueError("decode.c's attention reads heads in vectors of 16 floats")
         self._kernels = kernels
         attn, mlp = layers[0].self_attn, layers[0].mlp
+        # float32 projections: only as many rows as the native product wins on this CPU (calibrated)
+        dense = any(_projection_kind(p) == W_F32 for layer in layers for p in _projections(layer))
+        self.max_rows = min(MAX_ROWS, native_f32_rows(kernels)) if dense else MAX_ROWS
         self.num_layers = len(layers)
         self.hidden = attn.o_proj.out_features
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -119,7 +121,7 @@ class NativeDecoder:
     def accepts(self, batch: AttentionBatch, rows: int, kv_cache: torch.Tensor) -> bool:
         return (
             batch.num_decode == rows  # every row decodes: no prefill chunk in the step
-            and 0 < rows <= MAX_ROWS
+            and 0 < rows <= self.max_rows
             and kv_cache.dtype in KV_DTYPES
             and kv_cache.is_contiguous()
             and kv_cache.shape[0] == self.num_layers
