@@ -73,6 +73,10 @@ def _nibble_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor,
     return pack_nibbles(q), s, z, w
 
 
+def test_int_rows_is_the_librarys(kernels: native.Native) -> None:
+    assert kernels.int16_rows == INT_ROWS
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_dequant_is_the_nibble_weight(group: int) -> None:
     qn, s, z, w = _nibble_weight(40, 256, group, seed=1)
@@ -96,7 +100,7 @@ def _assert_close_to(
     assert bool((err <= bound).all()), (err / bound).max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, INT_ROWS, INT_ROWS + 1, 19, 100, FUSED_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, INT_ROWS, INT_ROWS + 1, 8, 16, 19, 100, FUSED_ROWS + 1])
 @pytest.mark.parametrize(("bias", "group"), [(False, 64), (True, 64), (True, 32)])
 def test_int4_linear_matches_its_dequantized_weight(
     rows: int, bias: bool, group: int, kernels: native.Native

@@ -84,6 +84,10 @@ def test_native_step_equals_the_pytorch_layers(
     assert model.native is not None
     ids, batch, pool = _decode_batch(model, lens, groups, seed=len(lens))
     pool = pool.to(pool_dtype)
+    if len(lens) > model.native.max_rows:  # float32 past what this CPU's calibration lets it take
+        assert quantization == "none"
+        assert not model.native.accepts(batch, len(lens), pool)
+        return
     assert model.native.accepts(batch, len(lens), pool)
     pool_ref = pool.clone()
     got = model(ids, batch, pool)

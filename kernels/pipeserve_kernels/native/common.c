@@ -14,6 +14,9 @@ int threads(void) { return n_threads > 0 ? n_threads : omp_get_max_threads(); }
 /* Whether the integer products for many rows (prefill.c) are built here: 1 where AVX2 is. */
 int int8_prefill(void) { return PREFILL_INT8; }
 
+/* native.h's INT_ROWS, which native/__init__.py mirrors (its test checks they agree). */
+int int16_rows(void) { return INT_ROWS; }
+
 /* Grow-only per-thread buffer `slot` (a few per thread) of at least n floats, 64-byte aligned. */
 float *scratch(int slot, size_t n) {
     static __thread float *buf[SCRATCH_SLOTS];

@@ -124,7 +124,11 @@ float *scratch(int slot, size_t n);
     case 3: CALL(3); break;                                                                                  \
     default: CALL(SMALL_M); break;                                                                           \
     }
-#define INT_ROWS 16 /* up to this many rows of x, the fused (int16 x on AVX2) path */
+/* Up to this many rows of x, the fused path (x in int16 on AVX2, each weight chunk unpacked in
+ * registers); above, on AVX2, prefill.c (x in int8, weight tiles repacked per call): its repack
+ * costs about what 4 rows of products do, and from 8 rows on it was 1.2-2.4x faster (VNNI and AVX2's
+ * maddubs alike; benchmarks/RESULTS.md, issue 27). */
+#define INT_ROWS 4
 
 void tile_matmul(const float *xp, int m, int k, const float *tile, int rows, int n0, int n,
                         const float *bias, float *y);

@@ -132,11 +132,12 @@ static Tile repack_q4(const uint8_t *q, const uint16_t *s, const uint16_t *z, in
             float sc = 0.f, mc = 0.f;
             if (row < n) {
                 const uint8_t *src = q + (size_t)row * (k / 2) + b * 16;
-                for (int j = 0; j < 8; j++) {
-                    uint8_t a = src[j], c = src[8 + j];
-                    out[2 * j] = (uint8_t)((a & 15) | (c << 4));
-                    out[2 * j + 1] = (uint8_t)((a >> 4) | (c & 0xF0));
-                }
+                /* bytes 2j, 2j+1 = (A_j lo | B_j lo << 4, A_j hi | B_j hi << 4): A the low 8 bytes, B the high */
+                __m128i v = _mm_loadu_si128((const __m128i *)src), nib = _mm_set1_epi8(15);
+                __m128i bsh = _mm_srli_si128(v, 8);
+                __m128i lo = _mm_or_si128(_mm_and_si128(v, nib), _mm_slli_epi16(_mm_and_si128(bsh, nib), 4));
+                __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), nib), _mm_andnot_si128(nib, bsh));
+                _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lo, hi));
                 int gi = (b * 32) / g;
                 sc = bf16(s[(size_t)row * (k / g) + gi]);
                 mc = bf16(z[(size_t)row * (k / g) + gi]) - 8.f * sc;
