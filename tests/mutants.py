@@ -432,8 +432,8 @@ MUTANTS = [
     (
         "L3 presence counts a block that one stage lacks",
         "services/pipeserve/hicache/redis_tier.py",
-        "            if not all(found[i * n : (i + 1) * n]):",
-        "            if not any(found[i * n : (i + 1) * n]):",
+        "        if not all(found[i * n : (i + 1) * n]):",
+        "        if not any(found[i * n : (i + 1) * n]):",
         "tests/hicache/test_page_store.py -k all_or_nothing",
     ),
     (
@@ -1486,9 +1486,16 @@ MUTANTS = [
     (
         "native prefill: high nibbles multiplied by the low k-quad of x",
         "kernels/pipeserve_kernels/native/prefill.c",
-        "dot[i] = DOT(dot[i], hi, SET1I(quad(xq + 16)));",
-        "dot[i] = DOT(dot[i], hi, SET1I(quad(xq)));",
+        "dh[i] = DOT(dh[i], hi, SET1I(quad(x->hi + at + 16)));",
+        "dh[i] = DOT(dh[i], hi, SET1I(quad(x->hi + at)));",
         "tests/kernels/test_native.py -k int4_linear",
+    ),
+    (
+        "native prefill: x's low int8 plane dropped (x rounded to 8 bits)",
+        "kernels/pipeserve_kernels/native/prefill.c",
+        "        for (int i = 0; i < mr; i++) dot[i] = ADDI(SLLI32(dh[i], 8), dl[i]);",
+        "        for (int i = 0; i < mr; i++) dot[i] = SLLI32(dh[i], 8);",
+        "tests/kernels/test_native.py -k 'int4_linear or q8_0'",
     ),
     (
         "native prefill: Q8_0 weights taken unsigned (the -128 offset dropped)",

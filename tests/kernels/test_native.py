@@ -2,11 +2,11 @@
 
 Tolerances:
 - q4_dequant: the weight (q - 8) * s + z of quant.py's nibble layout, within one float32 rounding.
-- more than INT_ROWS rows, on AVX2 (prefill.c): x is quantized to int8 per 32-element block, so
-  |err| <= sum_k |w| * max|x block| / 254 per output; without AVX2 float32 products (weight tiles,
-  or a GEMM above FUSED_ROWS), within 1e-5 of max |y|.
-- up to INT_ROWS rows: x is quantized to int16 per 32-element chunk (on AVX2), so the
-  error is bounded by the rounding of x: |err| <= sum_k |w| * max|x chunk| / 65534 per output.
+- more than INT_ROWS rows, on AVX2 (prefill.c): x is rounded to int16 per 32-element block (held as
+  two int8 planes), so |err| <= sum_k |w| * max|x block| / 65278 per output; without AVX2 float32
+  products (weight tiles, or a GEMM above FUSED_ROWS), within 1e-5 of max |y|.
+- up to INT_ROWS rows (native.h: 4 with VNNI, else 12): x is quantized to int16 per 32-element
+  chunk (on AVX2), so |err| <= sum_k |w| * max|x chunk| / 65534 per output.
 - The products and the decode attention run on this CPU's build and on builds for the other x86 levels it
   can execute (`LEVELS`: AVX2 without AVX-512 or VNNI, and no AVX2 at all), so each of the
   integer paths (VNNI, AVX2's maddubs, float) is checked wherever the tests run.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from pipeserve_kernels import native, reference
-from pipeserve_kernels.native import FUSED_ROWS, INT_ROWS, KV_DTYPES, Dims
+from pipeserve_kernels.native import FUSED_ROWS, KV_DTYPES, Dims
 
 KERNELS = native.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the native kernels are not built")
@@ -73,10 +73,6 @@ def _nibble_weight(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor,
     return pack_nibbles(q), s, z, w
 
 
-def test_int_rows_is_the_librarys(kernels: native.Native) -> None:
-    assert kernels.int16_rows == INT_ROWS
-
-
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_dequant_is_the_nibble_weight(group: int) -> None:
     qn, s, z, w = _nibble_weight(40, 256, group, seed=1)
@@ -86,21 +82,21 @@ def test_dequant_is_the_nibble_weight(group: int) -> None:
 def _assert_close_to(
     y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, lib: native.Native
 ) -> None:
-    """y [M, N] of a product of x [M, K] and w [N, K] against its float64 `ref`: above INT_ROWS rows
-    within the bound x's int8 rounding implies (prefill.c) or 1e-5 of max |ref| (float products),
-    up to INT_ROWS within the bound of x's int16 rounding."""
+    """y [M, N] of a product of x [M, K] and w [N, K] against its float64 `ref`: within the bound x's
+    int16 rounding implies (prefill.c above INT_ROWS rows, q4.c / dense.c up to it), or without AVX2
+    above INT_ROWS within 1e-5 of max |ref| (float products)."""
     rows, k = x.shape
     err = (y.double() - ref).abs()
-    if rows > INT_ROWS and not lib.int8_prefill:
+    if rows > lib.int16_rows and not lib.int8_prefill:
         assert err.max().item() <= 1e-5 * ref.abs().max().item()
         return
-    levels = 254 if rows > INT_ROWS else 65534  # 2 * the largest |xq|: half a step of rounding
+    levels = 65278 if rows > lib.int16_rows else 65534  # 2 * the largest |xq|: half a step of rounding
     chunk_max = x.abs().reshape(rows, k // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
     bound = (chunk_max.double() / levels) @ w.abs().double().t() + 1e-5
     assert bool((err <= bound).all()), (err / bound).max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, INT_ROWS, INT_ROWS + 1, 8, 16, 19, 100, FUSED_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 16, 19, 100, FUSED_ROWS + 1])
 @pytest.mark.parametrize(("bias", "group"), [(False, 64), (True, 64), (True, 32)])
 def test_int4_linear_matches_its_dequantized_weight(
     rows: int, bias: bool, group: int, kernels: native.Native
@@ -154,10 +150,10 @@ def test_decode_attention_matches_the_reference(
     torch.testing.assert_close(out.view(b, heads, d), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, INT_ROWS, INT_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 70])
 def test_int8_linear_is_its_q8_0_blocks(rows: int, kernels: native.Native) -> None:
     """q8_matmul over Q8_0 blocks (w = q * d per 32): int8 x (float tiles without AVX2) above
-    INT_ROWS rows, int16 x below; the weights span all of [-127, 127] (w + 128 and |w| paths)."""
+    INT_ROWS rows, int16 x below; the weights span all of [-127, 127] (the w + 128 and sign paths)."""
     n, k = 50, 160
     g = torch.Generator().manual_seed(rows)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)

@@ -92,12 +92,12 @@ def build(compiler: str, arch: str = NATIVE_ARCH) -> Path:
     return target
 
 
-# Up to INT_ROWS rows (native.h says why 4) the kernels unpack each weight chunk in registers and,
-# on AVX2, quantize x to int16 per 32 elements for an integer dot. Above, on AVX2, prefill.c quantizes
-# x to int8 per 32 elements and multiplies with the CPU's integer dot product (VNNI or maddubs) on
-# weight tiles it repacks per call (`Native.int8_prefill`). Without AVX2: up to FUSED_ROWS rows float
-# tiles of the weight; above, the weight dequantized to float32 and torch's GEMM (oneDNN/MKL).
-INT_ROWS = 4
+# Up to `Native.int16_rows` rows (native.h's INT_ROWS: 4 with VNNI, else 12; it says why) the kernels
+# unpack each weight chunk in registers and, on AVX2, quantize x to int16 per 32 elements for an
+# integer dot. Above, on AVX2, prefill.c rounds x to int16 per 32 elements too, held as two int8
+# planes for the CPU's int8 dot product (VNNI or maddubs) on weight tiles it repacks per call
+# (`Native.int8_prefill`). Without AVX2: up to FUSED_ROWS rows float tiles of the weight; above,
+# the weight dequantized to float32 and torch's GEMM (oneDNN/MKL).
 FUSED_ROWS = 256
 
 
@@ -187,7 +187,7 @@ class Native:
         self._decode_step = lib.decode_step
         self._decode_step.argtypes = [p, p, i, i, p, p, p, p, p, i, p, p]
         self._decode_step.restype = None
-        # prefill.c is built (AVX2): more than INT_ROWS rows multiply in int8 on the weights' blocks.
+        # prefill.c is built (AVX2): more than int16_rows rows multiply on int8 dot products.
         self.int8_prefill = bool(lib.int8_prefill())
         self.int16_rows = int(lib.int16_rows())
         self._set_threads = lib.set_threads

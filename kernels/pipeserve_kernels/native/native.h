@@ -125,10 +125,15 @@ float *scratch(int slot, size_t n);
     default: CALL(SMALL_M); break;                                                                           \
     }
 /* Up to this many rows of x, the fused path (x in int16 on AVX2, each weight chunk unpacked in
- * registers); above, on AVX2, prefill.c (x in int8, weight tiles repacked per call): its repack
- * costs about what 4 rows of products do, and from 8 rows on it was 1.2-2.4x faster (VNNI and AVX2's
- * maddubs alike; benchmarks/RESULTS.md, issue 27). */
+ * registers); above, on AVX2, prefill.c (x's int16 rounding as two int8 planes, weight tiles repacked
+ * per call), whose repack costs about 4 rows of products. Where it wins, per 4 projections of the
+ * default model (benchmarks/RESULTS.md, issue 27): with VNNI from 5 rows (1.2x; 1.8x at 16); with
+ * AVX2's maddubs, two ops per dot step, only from ~12 rows (measured by an AVX2 build). */
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
 #define INT_ROWS 4
+#else
+#define INT_ROWS 12
+#endif
 
 void tile_matmul(const float *xp, int m, int k, const float *tile, int rows, int n0, int n,
                         const float *bias, float *y);
