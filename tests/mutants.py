@@ -458,6 +458,13 @@ MUTANTS = [
         "tests/hicache/test_write_policy.py -k reuses",
     ),
     (
+        "stage 0 plans without waiting for the L3 probes it just asked",
+        "services/pipeserve/engine/scheduler.py",
+        "PROBE_WAIT_S = 0.005",
+        "PROBE_WAIT_S = 0.0",
+        "tests/hicache/test_probes.py -k next_plan",
+    ),
+    (
         "the L3 writer ignores its rate cap",
         "services/pipeserve/hicache/writer.py",
         "        wait = self._cap.book(len(batch) * self.layout.value_bytes)",

@@ -107,6 +107,8 @@ def test_presence_is_all_or_nothing_across_stages_and_stops_at_a_gap(tier: Redis
     assert got.errors == {2: "missing"} and got.pages[2] is None
     tier.client.setrange(lays[0].key(2), HEADER_BYTES + 1, b"\xff")  # corrupt stage 0's 2nd page
     assert tier.load(lays[0], hashes).errors == {1: "checksum"}
+    # Several chains in one round trip (stage 0's probes queued together): each answered alone.
+    assert tier.present_many(lays, [hashes, [], [9], hashes[:2], [1, 3]]) == [2, 0, 0, 2, 1]
 
 
 def test_another_model_or_split_never_reads_a_page(tier: RedisTier) -> None:

@@ -75,7 +75,7 @@ def test_redis_gone_and_back(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="pipeserve.hicache.writer"):
         for h in range(2, 6):
             writer.submit(h, page(h), tokens=4)
-        wait_for(lambda: writer.stats.failed == 4)
+        wait_for(lambda: writer.stats.failed + writer.stats.dropped_down == 4)
         assert not writer.available
         back = LocalRedis(port=port).start()
         try:

@@ -1,8 +1,10 @@
 """RedisDirectory: stage 0's presence queries to L3 (engine/prefix_loads.py's L3Directory).
 
-The engine thread never waits on Redis: `probe` queues the question, a
+The engine thread never blocks on Redis: `probe` queues the question, a
 daemon thread asks Redis (one pipelined round trip for every stage's page of
-every block, RedisTier.present) and leaves the answer for `answers()`.
+every block of every question queued meanwhile, RedisTier.present_many) and
+leaves the answers for `answers()`; stage 0 waits for them at most a few
+milliseconds (scheduler.PROBE_WAIT_S) before planning without the request.
 
 Redis down, slow or refusing: the probe is answered 0 (a miss), the state
 change is logged once, and Redis is left alone for a backoff (doubling from
@@ -86,19 +88,29 @@ class RedisDirectory:
 
     # --- the thread ------------------------------------------------------------
     def _run(self) -> None:
-        while (q := self._questions.get()) is not None:
-            req_id, hashes = q
-            found = self._present(hashes)
+        stop = False
+        while not stop and (q := self._questions.get()) is not None:
+            batch = [q]  # every question queued meanwhile: one round trip for all of them
+            while True:
+                try:
+                    nxt = self._questions.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            found = self._present([hashes for _, hashes in batch])
             with self._lock:
-                self._answers.append((req_id, found))
+                self._answers += [(req_id, n) for (req_id, _), n in zip(batch, found, strict=True)]
                 self._ready.set()
 
-    def _present(self, hashes: list[int]) -> int:
+    def _present(self, chains: list[list[int]]) -> list[int]:
         now = time.monotonic()
         if not self.available and now < self._retry_at:
-            return 0
+            return [0] * len(chains)
         try:
-            found = self.tier.present(self.layouts, hashes)
+            found = self.tier.present_many(self.layouts, chains)
         except TierUnavailable as e:
             self.errors += 1
             if self.available:
@@ -107,7 +119,7 @@ class RedisDirectory:
                 self._delay = min(self._delay * 2, self._backoff_max_s)
             self.available = False
             self._retry_at = now + self._delay
-            return 0
+            return [0] * len(chains)
         if not self.available:
             log.info("L3 available again at %s", self.tier.url)
             self.available = True

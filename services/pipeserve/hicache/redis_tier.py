@@ -3,6 +3,7 @@
 Contract (DESIGN §5: only stage 0 decides):
 - `present(layouts, hashes)` is stage 0's question "how many leading blocks of
   this chain does L3 hold for *every* stage?", answered in one round trip
+  (`present_many`: several chains in one)
   (a pipeline of EXISTS; on a cluster every stage's page of a block shares a
   slot, see page.py). A block counts only if every stage's page exists, and a
   prefix only up to its first missing block.
@@ -82,22 +83,28 @@ class RedisTier:
 
     def present(self, layouts: list[PageLayout], hashes: list[int]) -> int:
         """How many leading blocks of `hashes` have a page for every stage's layout."""
-        if not hashes:
-            return 0
+        return self.present_many(layouts, [hashes])[0]
+
+    def present_many(self, layouts: list[PageLayout], chains: list[list[int]]) -> list[int]:
+        """`present` for several chains in one pipelined round trip (the probes stage 0 queued
+        meanwhile: a burst of new requests costs one round trip, not one each)."""
+        if not any(chains):
+            return [0] * len(chains)
         try:
             self._detect()
             pipe = self.client.pipeline(transaction=False)
-            for h in hashes:
-                for layout in layouts:
-                    pipe.exists(layout.key(h))
+            for hashes in chains:
+                for h in hashes:
+                    for layout in layouts:
+                        pipe.exists(layout.key(h))
             found = pipe.execute()
         except redis.RedisError as e:
             raise TierUnavailable(f"present: {type(e).__name__}: {e}") from None
-        n = len(layouts)
-        for i in range(len(hashes)):
-            if not all(found[i * n : (i + 1) * n]):
-                return i
-        return len(hashes)
+        out, at, n = [], 0, len(layouts)
+        for hashes in chains:
+            out.append(_leading(found[at : at + n * len(hashes)], n, len(hashes)))
+            at += n * len(hashes)
+        return out
 
     def store(self, layout: PageLayout, block_hash: int, page: torch.Tensor, tokens: int) -> int:
         """Write one stage's page of one block; returns the bytes written."""
@@ -152,3 +159,11 @@ class RedisTier:
             result.pages.append(page)
             result.tokens.append(tokens)
         return result
+
+
+def _leading(found: list[int], n: int, blocks: int) -> int:
+    """Leading blocks whose `n` pages (one per stage, in order) all exist."""
+    for i in range(blocks):
+        if not all(found[i * n : (i + 1) * n]):
+            return i
+    return blocks

@@ -100,7 +100,8 @@ class StageTiers:
     def lost_pages(self) -> int:
         if self.writer is None:
             return 0
-        return self.writer.stats.dropped_full + self.writer.stats.failed
+        ws = self.writer.stats
+        return ws.dropped_full + ws.failed + ws.dropped_down
 
     @property
     def host_slots(self) -> int:

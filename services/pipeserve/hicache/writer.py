@@ -17,7 +17,8 @@ writes never holds more than the buffer, whatever the traffic.
 
 Redis down, slow or full: the batch is counted failed and dropped, and the state change is logged
 once (`available` flips), never once per page. The writer then backs off (BACKOFF_S doubling to
-BACKOFF_MAX_S): pages submitted meanwhile are dropped at once, uncopied, and counted failed.
+BACKOFF_MAX_S): pages submitted meanwhile are dropped at once, uncopied, and counted. Each counter
+has one writing thread (the stage's or the writer's), so none loses an update.
 
 `close(timeout_s)` stops taking pages, lets the thread write what is staged within the deadline,
 and returns how many pages were left unwritten.
@@ -54,7 +55,8 @@ class WriterStats:
     bytes_written: int = 0
     batches: int = 0  # pipelines sent
     dropped_full: int = 0  # the staging buffer was full
-    failed: int = 0  # Redis refused or did not answer in time (or was backing off)
+    failed: int = 0  # Redis refused or did not answer in time (or was backing off): the writer's count
+    dropped_down: int = 0  # offered while the writer backs off from a failed Redis: the stage's count
     throttled_s: float = 0.0  # time the rate cap held the writer back
 
 
@@ -101,7 +103,7 @@ class PageWriter:
         if self._closed:
             return False
         if not self.available and time.monotonic() < self._retry_at:
-            self.stats.failed += 1  # Redis is down: no copy, no queue (the writer backs off)
+            self.stats.dropped_down += 1  # Redis is down: no copy, no queue (the writer backs off)
             return False
         try:
             slot = self._free.get_nowait()

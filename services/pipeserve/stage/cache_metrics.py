@@ -61,7 +61,7 @@ def stage_tier_metrics(tiers: StageTiers | None) -> dict[str, Metric]:
                 "counter", "pages not written: the store queue was full", ws.dropped_full
             ),
             "pipeserve:hicache_l3_store_failed": Metric(
-                "counter", "pages not written: Redis refused or timed out", ws.failed
+                "counter", "pages not written: Redis refused or timed out", ws.failed + ws.dropped_down
             ),
             "pipeserve:hicache_l3_up": Metric(
                 "gauge", "1 while this stage's last Redis write succeeded", w.available
