@@ -19,11 +19,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-# The main job: the router on http://127.0.0.1:8000/v1 over one 2-stage pipeline group of
+# The main job: the router on http://127.0.0.1:8000/v1 over one pipeline group of
 # SmolLM2-135M-Instruct (converted into ~/.cache/pipeserve on first use), served from the GGUF
-# file's own Q4_1 blocks. Override with e.g. `make run UP_ARGS="--replicas 2"`, the float32
-# checkpoint with UP_ARGS="--stages 2", or another checkpoint: UP_ARGS="--stages 2 --model DIR".
-UP_ARGS ?= --stages 2 --quantization gguf
+# file's own Q4_1 blocks. One stage by default: on a machine of few cores two stages leave one idle
+# half the time (a single request crosses them in turn) and lose at C=1 and C=16 alike (README,
+# benchmarks/RESULTS.md issue 27). Two stages: `make run UP_ARGS="--stages 2 --quantization gguf"`;
+# the float32 checkpoint: UP_ARGS="--stages 2"; another checkpoint: UP_ARGS="--stages 2 --model DIR".
+UP_ARGS ?= --quantization gguf
 # L3 needs redis-server: installed when it can be; without it `up` serves with L3 off (it says so).
 run: $(STAMP)
 	-@$(MAKE) --no-print-directory redis-server

@@ -6,20 +6,20 @@ Every step is idempotent and keeps its files under `.peer/` (git-ignored):
     python benchmarks/peer.py model      # the 169M checkpoint (hidden 1024, 12 layers, 16/4 heads, vocab 16k)
     python benchmarks/peer.py convert    # its convert_hf_to_gguf.py -> an f32 GGUF
     python benchmarks/peer.py check      # llama-server's greedy text == HF transformers' for one prompt
-    python benchmarks/peer.py compare --sweep reduced                 # routine: smollm2, make run's flags
+    python benchmarks/peer.py compare --sweep reduced                 # routine: smollm2, S=1 and S=2
     python benchmarks/peer.py compare --sweep full --results-md benchmarks/RESULTS.md   # everything
     python benchmarks/peer.py compare --sweep reduced --cells p128-c1-o64 --rounds 1  # the wiring only
     python benchmarks/peer.py all        # build, model, convert, check, then compare
 
 `compare` is the side-by-side RESULTS.md cites (DESIGN §10.15): for each subject (`--model`: the
 packaged SmolLM2 Q4_1 file, served by pipeserve from its blocks with `--quantization gguf`; the 169M
-float32 model) and each pipeserve configuration (`--config`: bench/peers.py's CONFIGS — `s2` is
-`make run`'s flags, L3 on where redis-server is installed — and S=1, and both with L3 off), it runs
+float32 model) and each pipeserve configuration (`--config`: bench/peers.py's CONFIGS — `s1` is
+`make run`'s flags, L3 on where redis-server is installed — and S=2, and both with L3 off), it runs
 the sweep of bench/sweep.py with `LaunchedServer`s: round after round, pipeserve then llama-server,
 each started fresh for its turn and stopped after it (one server on the machine at a time; ready time
 from spawn to the first 1-token completion; RSS of its process tree sampled every 100 ms), every
 pass on fresh text prompts (bench/prompts.py) and checked for cache hits from both servers' own
-reports (bench/cachecheck.py). Defaults: `--sweep reduced` serves smollm2 under `s2`;
+reports (bench/cachecheck.py). Defaults: `--sweep reduced` serves smollm2 under `s1` and `s2`;
 `--sweep full` every subject under every configuration. Before round 1 each server is started once
 unmeasured (pipeserve converts the GGUF on its first start; both files enter the page cache).
 Outputs per subject × configuration under `--out` (default benchmarks/results/): the raw runs
@@ -304,7 +304,7 @@ def compare_step(args: argparse.Namespace) -> None:
 
     full = args.sweep == "full"
     subjects = args.model or (["smollm2", "169m"] if full else ["smollm2"])
-    configs = args.config or (list(peers.CONFIGS) if full else ["s2"])
+    configs = args.config or (list(peers.CONFIGS) if full else ["s1", "s2"])
     if args.seed is None:  # servers start fresh each round, but one seed per run keeps runs apart
         args.seed = int.from_bytes(os.urandom(4), "little") >> 1
     status = 0

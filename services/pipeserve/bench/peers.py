@@ -11,7 +11,7 @@ is split per slot), so a cell that needs more is served with more:
 
 Each such choice is its own launch key (`np64-c65536`), so the sweep starts llama-server afresh for
 those cells, and the table prints every command used. `pipeserve up` keeps one set of flags for all
-cells: the configuration's (`CONFIGS`), `make run`'s own being `s2` (`--stages 2`, and
+cells: the configuration's (`CONFIGS`), `make run`'s own being `s1` (one stage, and
 `--quantization gguf` for the Q4_1 file; L3 on when redis-server is installed, as `make run`
 installs it).
 """
@@ -28,8 +28,8 @@ ISSUE_SLOTS, ISSUE_CTX = 16, 16384
 SLOT_ROUND = 256
 # name -> (stages, extra `pipeserve up` flags, description)
 CONFIGS: dict[str, tuple[int, list[str], str]] = {
-    "s2": (2, [], "S=2, L3 as `make run` (make run's flags)"),
-    "s1": (1, [], "S=1, L3 as `make run`"),
+    "s2": (2, [], "S=2, L3 as `make run`"),
+    "s1": (1, [], "S=1, L3 as `make run` (make run's flags)"),
     "s2-l3off": (2, ["--hicache-url", "off"], "S=2, --hicache-url off"),
     "s1-l3off": (1, ["--hicache-url", "off"], "S=1, --hicache-url off"),
 }
