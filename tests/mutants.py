@@ -1456,7 +1456,7 @@ MUTANTS = [
         "tests/kernels/test_native.py -k int4_linear",
     ),
     (
-        "the CLI leaves OpenMP's waiters spinning",
+        "the CLI leaves OpenMP's threads spinning long",
         "services/pipeserve/cli.py",
         "    compute_env.prepare()  # before any subcommand loads torch (libgomp reads it then)",
         "",

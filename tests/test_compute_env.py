@@ -1,7 +1,7 @@
-"""compute_env: pipeserve's processes load OpenMP with passive waiters unless the user chose.
+"""compute_env: pipeserve's processes load OpenMP with a short spin unless the user chose.
 
-Observed in libgomp itself (OMP_DISPLAY_ENV prints the values it took when torch loaded it): a
-spin count of 0 is PASSIVE; unset, libgomp spins 300000 times; ACTIVE spins without end.
+Observed in libgomp itself (OMP_DISPLAY_ENV prints the values it took when torch loaded it): unset,
+libgomp spins 300000 times; PASSIVE is 0; ACTIVE spins without end.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,11 @@ from pipeserve import compute_env
 def test_prepare_sets_only_what_the_user_left_unset() -> None:
     env: dict[str, str] = {}
     compute_env.prepare(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
-    compute_env.prepare(mine)
-    assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert env == {"GOMP_SPINCOUNT": compute_env.SPIN_COUNT}
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5"}):
+        before = dict(mine)
+        compute_env.prepare(mine)
+        assert mine == before
 
 
 def _spin_count(tmp_path: Path, policy: str | None) -> int:
@@ -46,9 +48,12 @@ def _spin_count(tmp_path: Path, policy: str | None) -> int:
     return int(found.group(1))
 
 
-def test_the_cli_loads_openmp_with_passive_waiters(tmp_path: Path) -> None:
-    assert _spin_count(tmp_path, None) == 0
+def test_the_cli_loads_openmp_with_a_short_spin(tmp_path: Path) -> None:
+    assert _spin_count(tmp_path, None) == int(compute_env.SPIN_COUNT)
 
 
-def test_a_users_policy_wins(tmp_path: Path) -> None:
-    assert _spin_count(tmp_path, "ACTIVE") > 300000
+@pytest.mark.parametrize(
+    ("policy", "spins"), [("ACTIVE", lambda n: n > 300000), ("PASSIVE", lambda n: n == 0)]
+)
+def test_a_users_policy_wins(tmp_path: Path, policy: str, spins: Callable[[int], bool]) -> None:
+    assert spins(_spin_count(tmp_path, policy))
