@@ -2,12 +2,13 @@
 peak RSS of `pipeserve up` with L3 (its defaults: a private redis-server, the default write policy)
 against `--hicache-url off`, in alternating runs, medians reported with their spread.
 
-Each run starts a fresh `up` (nothing cached anywhere: every prompt is fresh), samples the RSS of
-its whole process tree (stages, router, the private redis-server) every 0.1 s from start to stop,
-runs `pipeserve bench --workload random` against it, and reads stage 0's L3 counters (pages
-ordered written, first sightings) so a table shows what L3 did.
+Runs alternate, the order reversed every other round (a drift in the machine's load favours
+neither side). Each run starts a fresh `up` (nothing cached anywhere: every prompt is fresh),
+samples the RSS of its whole process tree (stages, router, the private redis-server) every 0.1 s
+from start to stop, runs `pipeserve bench --workload random --warmup 0` against it, and reads stage
+0's L3 counters (pages ordered written, first sightings, probes and the time waited for them).
 
-    python benchmarks/hicache_write_cost.py [--runs 3] [--up-arg=--quantization=gguf] \
+    python benchmarks/hicache_write_cost.py [--runs 4] [--up-arg=--quantization=gguf] \
         [--variant "always=--hicache-write-policy always"] [--json out.json]
 """
 
@@ -89,6 +90,9 @@ def one_run(name: str, up_argv: list[str], args: argparse.Namespace, seed: int) 
         "l3_pages_ordered": metric(stage0, "pipeserve:hicache_l3_pages_ordered_total"),
         "l3_first_sightings": metric(stage0, "pipeserve:hicache_l3_first_sightings_total"),
         "l3_written_bytes": metric(stage0, "pipeserve:hicache_l3_written_bytes_total"),
+        "l3_probes": metric(stage0, "pipeserve:hicache_l3_probes_total"),
+        "l3_probe_wait_s": metric(stage0, "pipeserve:hicache_l3_probe_wait_seconds_total"),
+        "l3_probe_waits_expired": metric(stage0, "pipeserve:hicache_l3_probe_waits_expired_total"),
     }
 
 
@@ -117,8 +121,9 @@ def main() -> int:
         name, _, flags = v.partition("=")
         variants[name] = flags.split()
     rows = []
-    for run in range(args.runs):  # alternating: l3, off, ..., then l3, off, ... again
-        for name, flags in variants.items():
+    for run in range(args.runs):  # alternating, the order reversed every other round (l3 off, off l3, ...)
+        order = list(variants.items())
+        for name, flags in order if run % 2 == 0 else order[::-1]:
             row = one_run(name, base + flags, args, seed=run)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

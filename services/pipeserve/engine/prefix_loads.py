@@ -59,6 +59,8 @@ class TierStats:
     hit_tokens: Counter[str] = field(default_factory=Counter)  # "l1", "l2", "l3"
     probes: int = 0
     probe_hit_blocks: int = 0
+    probe_wait_s: float = 0.0  # the scheduler's waits for fresh probe answers
+    probe_waits_expired: int = 0  # ... that ended with a probe still unanswered (its request waits a step)
     loads: Counter[str] = field(default_factory=Counter)  # "ok" or the first failing stage's status
     load_blocks_ok: int = 0
     load_seconds: Histogram = field(default_factory=Histogram)  # order sent -> every stage answered
@@ -217,7 +219,8 @@ class PrefixFetch:
         """Take probe answers as they come, until none is outstanding or `timeout_s` has passed;
         whether any came. (The directory answers 0 at once while Redis is known down.)"""
         assert self.l3 is not None
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         got = False
         while self._probed:
             outstanding = len(self._probed)
@@ -227,6 +230,8 @@ class PrefixFetch:
             if not self._probed or left <= 0:
                 break
             self.l3.wait(left)
+        self.stats.probe_wait_s += time.monotonic() - t0
+        self.stats.probe_waits_expired += bool(self._probed)
         return got
 
     def on_ack(self, rank: int, ack: LoadAck) -> None:

@@ -90,6 +90,12 @@ def leader_tier_metrics(engine: LLMEngine) -> dict[str, Metric]:
             "pipeserve:hicache_l3_probe_hit_blocks": Metric(
                 "counter", "blocks L3 held for every stage when asked", st.probe_hit_blocks
             ),
+            "pipeserve:hicache_l3_probe_wait_seconds": Metric(
+                "counter", "time the scheduler waited for fresh probe answers", st.probe_wait_s
+            ),
+            "pipeserve:hicache_l3_probe_waits_expired": Metric(
+                "counter", "probe waits that ended with a probe unanswered", st.probe_waits_expired
+            ),
             "pipeserve:hicache_l3_group_loads": Metric(
                 "counter",
                 "L3 loads by outcome: ok (every stage in time) or the first failing stage's answer",
