@@ -163,12 +163,15 @@ class Cluster:
         raise RuntimeError(f"round_robin never moved past {target}")
 
     def wait_stored(self, name: str, stores_before: float, blocks: int, timeout_s: float = 120) -> None:
-        """Until `name`'s stage 0 has written `blocks` more pages and its queue is empty (or deadline)."""
+        """Until `name`'s stage 0 has written `blocks` more pages, and neither its paced backlog nor
+        its writer's queue holds any (or the deadline)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = self.stage0(name)
             stored = metric(m, "pipeserve:hicache_l3_stores_total") - stores_before
-            if stored >= blocks and metric(m, "pipeserve:hicache_l3_store_queue") == 0:
+            waiting = metric(m, "pipeserve:hicache_l3_store_queue")
+            waiting += metric(m, "pipeserve:hicache_l3_store_backlog")
+            if stored >= blocks and waiting == 0:
                 return
             time.sleep(0.2)
         print(f"# warning: {name} stored fewer than {blocks} pages in {timeout_s}s", file=sys.stderr)

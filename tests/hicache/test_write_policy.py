@@ -180,6 +180,12 @@ def test_a_backlog_block_the_scheduler_reuses_leaves_with_that_plan() -> None:
     assert bm.allocate(1) == others[:1]  # reused for new content in the plan being built
     assert w.take(t0) == [PageStore(others[0], 0xE0 + others[0])] and w.stats.forced == 1
     assert w.backlog == 2
+    # Another one now would overflow the writers' buffers (a page's worth of debt already):
+    # dropped here, and forgotten, so that its next sighting orders it again.
+    bm.release_blocks(others[1:2])
+    assert bm.allocate(1) == others[1:2]
+    assert w.take(t0) == [] and w.stats.dropped_reused == 1 and w.backlog == 1
+    assert not w.is_known(0xE0 + others[1]) and w.is_known(0xE0 + others[2])
 
 
 def test_a_group_orders_every_paced_store_before_it_goes_idle(llama_dir: Path, server: LocalRedis) -> None:

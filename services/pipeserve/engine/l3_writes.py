@@ -20,7 +20,8 @@ prefix, the ones a later hit can use, go first) and leave it at the writers' rat
 the largest stage page), with a burst of half a writer's staging buffer. A writer's buffer then
 holds what its own rate lets through, and a long prefix ordered at once is written in full instead
 of overflowing the buffer. A backlog block the scheduler hands to new content leaves with the plan
-being built: a plan reads its stores out of L1 before anything writes a block. A block enters the
+being built (a plan reads its stores out of L1 before anything writes a block) if the writers'
+buffers can take it, else it is dropped and ordered again at a later sighting. A block enters the
 backlog only once the plan that computed it came back, so every stage holds its final content.
 """
 
@@ -67,6 +68,16 @@ class RateCap:
         self._refill(now)
         return self._tokens >= n
 
+    def try_book(self, n: int, now: float, debt: float) -> bool:
+        """Take n bytes if the bucket stays within `debt` of empty; whether it did."""
+        if self.rate <= 0:
+            return True
+        self._refill(now)
+        if self._tokens - n < -debt:
+            return False
+        self._tokens -= n
+        return True
+
     def wait_s(self, n: int, now: float) -> float:
         """Seconds until n bytes may go without debt."""
         if self.rate <= 0:
@@ -108,6 +119,7 @@ class WriteStats:
     ordered: int = 0  # blocks ordered written (PageStores sent)
     first_sightings: int = 0  # blocks not ordered: seen once (second-hit)
     forced: int = 0  # backlog blocks sent early: the scheduler reused the block
+    dropped_reused: int = 0  # ... and those that would have overflowed a writer's buffer (not sent)
 
 
 class L3Writes:
@@ -157,11 +169,20 @@ class L3Writes:
 
     def reused(self, block_id: int) -> None:
         """The scheduler hands `block_id` to new content in the plan being built: a backlog store of
-        it goes with that plan, whose stores are read out before its writes."""
+        it goes with that plan, whose stores are read out before its writes — if the writers' buffers
+        can take it (the bucket may run into debt by the other half of a buffer). Otherwise it is
+        dropped here and its hash forgotten, so a later sighting orders it again: a burst of reused
+        blocks would only overflow the buffers, and a page dropped by a stage makes stage 0 forget
+        everything it believed stored."""
         h = self._backlog.pop(block_id, None)
-        if h is not None:
+        if h is None:
+            return
+        if self._cap.try_book(self.page_bytes, time.monotonic(), debt=self._cap.depth):
             self._forced.append(PageStore(block_id, h))
             self.stats.forced += 1
+        else:
+            self.forget(h)
+            self.stats.dropped_reused += 1
 
     # --- pacing ----------------------------------------------------------------------
     @property
@@ -170,9 +191,7 @@ class L3Writes:
 
     def take(self, now: float) -> list[PageStore]:
         """The stores of the plan being built: the forced ones, then the backlog as the cap allows."""
-        out, self._forced = self._forced, []
-        if out:  # sent whatever the cap says (the block is rewritten next), booked all the same
-            self._cap.book(self.page_bytes * len(out), now)
+        out, self._forced = self._forced, []  # booked when their blocks were reused
         while self._backlog and self._cap.room(self.page_bytes, now):
             bid, h = self._backlog.popitem(last=False)
             self._cap.book(self.page_bytes, now)

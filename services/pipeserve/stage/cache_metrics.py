@@ -111,6 +111,11 @@ def leader_tier_metrics(engine: LLMEngine) -> dict[str, Metric]:
             "pipeserve:hicache_l3_first_sightings": Metric(
                 "counter", "blocks not ordered written: seen once (second-hit)", ws.first_sightings
             ),
+            "pipeserve:hicache_l3_reused_unstored": Metric(
+                "counter",
+                "paced blocks reused before their store left, dropped (a buffer was full)",
+                ws.dropped_reused,
+            ),
             "pipeserve:hicache_l3_store_backlog": Metric(
                 "gauge", "blocks ordered written, waiting for the write pacing", writes.backlog
             ),
