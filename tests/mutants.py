@@ -1507,8 +1507,8 @@ MUTANTS = [
     (
         "native prefill: Q8_0 weights taken unsigned (the -128 offset dropped)",
         "kernels/pipeserve_kernels/native/prefill.c",
-        "            mv[(size_t)b * W + r] = Q8_VNNI ? -128.f * sc : 0.f;",
-        "            mv[(size_t)b * W + r] = 0.f;",
+        "            place(dst, sv, mv, 8, b, r, out, sc, Q8_VNNI ? -128.f * sc : 0.f);",
+        "            place(dst, sv, mv, 8, b, r, out, sc, 0.f);",
         "tests/kernels/test_native.py -k q8_0",
     ),
     (

@@ -66,6 +66,17 @@ def _consecutive(blocks: list[int]) -> bool:
     return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
 
+def _pool_view(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The K and V blocks of one sequence as views of the pool (nothing copied), where its block ids
+    are consecutive (a lone request's usual table); else None."""
+    if not _consecutive(blocks):
+        return None
+    lo, hi = blocks[0], blocks[0] + len(blocks)
+    return k_cache[lo:hi], v_cache[lo:hi]
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -81,12 +92,8 @@ def paged_attention_decode(
     lens = context_lens.tolist()
     longest = max(lens)
     nb = -(-longest // bs)  # blocks holding the longest context; the table may be wider
-    if b == 1:
-        blocks = block_tables[0, :nb].tolist()
-        if _consecutive(blocks):  # a view of the pool: nothing copied
-            lo = blocks[0]
-            k_blocks, v_blocks = k_cache[lo : lo + nb], v_cache[lo : lo + nb]
-            return _attend(q, k_blocks, v_blocks, 1, nb, longest, None, scale)
+    if b == 1 and (view := _pool_view(k_cache, v_cache, block_tables[0, :nb].tolist())) is not None:
+        return _attend(q, *view, 1, nb, longest, None, scale)
     flat = block_tables[:, :nb].reshape(-1)
     if workspace is None:
         k_blocks, v_blocks = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
@@ -132,14 +139,8 @@ def paged_attention_prefill(
         return reference.paged_attention_prefill(q, k_cache, v_cache, block_table, start_pos, scale)
     length, heads, d = q.shape
     kvh = k_cache.shape[2]
-    blocks = block_table.tolist()
-    if _consecutive(blocks):  # a view of the pool, no gather
-        k_blocks, v_blocks = (
-            k_cache[blocks[0] : blocks[0] + len(blocks)],
-            v_cache[blocks[0] : blocks[0] + len(blocks)],
-        )
-    else:
-        k_blocks, v_blocks = k_cache[block_table], v_cache[block_table]
+    view = _pool_view(k_cache, v_cache, block_table.tolist())
+    k_blocks, v_blocks = view if view is not None else (k_cache[block_table], v_cache[block_table])
     keys = k_blocks.reshape(-1, kvh, d)[:length].transpose(0, 1).to(q.dtype)[None]
     values = v_blocks.reshape(-1, kvh, d)[:length].transpose(0, 1).to(q.dtype)[None]
     gqa = kvh != heads  # SDPA pairs each kv head with its group of query heads

@@ -8,7 +8,7 @@ Tolerances:
 - up to INT_ROWS rows (native.h: 4 with VNNI, else 12): x is quantized to int16 per 32-element
   chunk (on AVX2), so |err| <= sum_k |w| * max|x chunk| / 65534 per output.
 - The products and the decode attention run on this CPU's build and on builds for the other x86 levels it
-  can execute (`LEVELS`: AVX2 without AVX-512 or VNNI, and no AVX2 at all), so each of the
+  can execute (`LEVELS`: AVX-512 without VNNI, AVX2 alone, no AVX2 at all), so each of the
   integer paths (VNNI, AVX2's maddubs, float) is checked wherever the tests run.
 - decode attention: reference.paged_attention_decode within 1e-5 (float32, another summation
   order), across split boundaries (128 positions), GQA, ragged lengths, scattered blocks and
@@ -40,8 +40,13 @@ def _cpu_flags() -> set[str]:
     }
 
 
-# Other x86 levels (gcc -march) than this CPU's, each with the CPU flags it needs to run here.
-LEVELS = {"haswell": {"avx2", "fma", "f16c", "bmi2"}, "x86-64-v2": {"sse4_2", "popcnt"}}
+# Other x86 levels (gcc -march) than this CPU's, each with the CPU flags it needs to run here: AVX-512
+# without VNNI (prefill.c on 8 lanes beside 16-float vectors elsewhere), AVX2 alone, no AVX2.
+LEVELS = {
+    "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma", "f16c"},
+    "haswell": {"avx2", "fma", "f16c", "bmi2"},
+    "x86-64-v2": {"sse4_2", "popcnt"},
+}
 
 
 @pytest.fixture(scope="module", params=["native", *LEVELS])

@@ -43,7 +43,7 @@ static inline float hsum16(v16 v) { /* a tree, not 16 dependent adds */
 /* The CPU's own float vector, VL lanes: 16 with AVX-512, else 8. Without AVX-512 GCC has no machine
  * mode for a 64-byte vector, so v16 code there is lowered through memory (the float32 product ran
  * 4-8x slower on an AVX2-only CPU: benchmarks/RESULTS.md, issue 27); every loop that runs on such a
- * CPU (the decode step, the float32 product, x's int8 quantization) steps by VL on vf. v16 is kept
+ * CPU (the decode step, the float32 product, prefill.c's quantization of x) steps by VL on vf. v16 is kept
  * for 16-element units (a 32-element block's nibble halves) on paths AVX2 CPUs do not take. */
 #if defined(__AVX512F__)
 #define VL 16
@@ -110,7 +110,7 @@ int threads(void);
 
 /* Grow-only per-thread buffer `slot` of at least n floats, 64-byte aligned (common.c). Slots: 0
  * weight tiles, 1 reordered x, 2 attention scores, 3 decode-step activations, 4 int16 x,
- * 5 attention partials, 6 int8 x (prefill.c). */
+ * 5 attention partials, 6 x's int8 planes (prefill.c). */
 #define SCRATCH_SLOTS 7
 float *scratch(int slot, size_t n);
 
@@ -160,8 +160,8 @@ static inline QX qx_rows(const QX *x, int i0, int k) {
 }
 #endif
 
-/* Integer products for more than INT_ROWS rows (prefill.c): x quantized to int8 per 32 elements,
- * the CPU's u8 x s8 dot product (VNNI, else AVX2's maddubs). Needs AVX2. */
+/* Integer products for more than INT_ROWS rows (prefill.c): x rounded to int16 per 32 elements and
+ * held as two int8 planes, the CPU's u8 x s8 dot product (VNNI, else AVX2's maddubs). Needs AVX2. */
 #if defined(__AVX2__)
 #define PREFILL_INT8 1
 void q4_matmul_int8(const float *x, int m, int k, const uint8_t *q, const uint16_t *s, const uint16_t *z, int n,

@@ -27,8 +27,8 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define W 16
-typedef __m512i vi;
-typedef __m512 vf;
+typedef __m512i rowi; /* one int32 lane per output row of a tile */
+typedef __m512 rowf;
 #define LOADI(p) _mm512_loadu_si512((const void *)(p))
 #define SET1I(v) _mm512_set1_epi32(v)
 #define ZEROI() _mm512_setzero_si512()
@@ -47,8 +47,8 @@ typedef __m512 vf;
 #define Q8_VNNI 1
 #else
 #define W 8
-typedef __m256i vi;
-typedef __m256 vf;
+typedef __m256i rowi;
+typedef __m256 rowf;
 #define LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
 #define SET1I(v) _mm256_set1_epi32(v)
 #define ZEROI() _mm256_setzero_si256()
@@ -72,7 +72,7 @@ typedef __m256 vf;
 #define STOREF(p, v) _mm256_storeu_ps(p, v)
 #endif
 
-#define MR 4 /* rows of x per pass over a tile: each weight vector loaded feeds MR dot steps */
+#define MR SMALL_M /* rows of x per pass over a tile: each weight vector loaded feeds MR dot steps */
 
 /* x [M, K] -> per block of 32, x's int16 rounding as two int8 planes (XQ8, in the calling thread's
  * scratch slot 6): xq = round(x / dx) with dx = max|x| / 32639, split xq = 256 hi + lo with
@@ -131,6 +131,15 @@ typedef struct {
     int steps; /* vectors per block: 4 (4-bit: two k-quads per byte) or 8 (Q8_0) */
 } Tile;
 
+/* Row r's block b into the tile: its `steps` k-quads (out, 4 bytes each) to lane r of the block's
+ * vectors, its scale and offset to lane r of the block's s and m. */
+static inline void place(uint8_t *dst, float *sv, float *mv, int steps, int b, int r, const uint8_t *out, float sc,
+                         float mc) {
+    for (int p = 0; p < steps; p++) memcpy(dst + ((size_t)(b * steps + p) * W + r) * 4, out + 4 * p, 4);
+    sv[(size_t)b * W + r] = sc;
+    mv[(size_t)b * W + r] = mc;
+}
+
 /* 4-bit rows [n0, n0 + W) of quant.py's nibble layout: block b's vector p holds, in lane r, the
  * nibbles of k = 32b + 4p + t (low) and 32b + 16 + 4p + t (high), t = 0..3. In the source, element
  * e of a block is nibble e % 2 of byte e / 2, so byte pair j of the lane (bytes 2j, 2j+1 of the 16
@@ -157,9 +166,7 @@ static Tile repack_q4(const uint8_t *q, const uint16_t *s, const uint16_t *z, in
                 sc = bf16(s[(size_t)row * (k / g) + gi]);
                 mc = bf16(z[(size_t)row * (k / g) + gi]) - 8.f * sc;
             }
-            for (int p = 0; p < 4; p++) memcpy(dst + ((size_t)(b * 4 + p) * W + r) * 4, out + 4 * p, 4);
-            sv[(size_t)b * W + r] = sc;
-            mv[(size_t)b * W + r] = mc;
+            place(dst, sv, mv, 4, b, r, out, sc, mc);
         }
     }
     return (Tile){dst, sv, mv, 4};
@@ -183,9 +190,7 @@ static Tile repack_q8(const int8_t *q, const float *d, int n, int k, int n0, uin
             } else if (Q8_VNNI) {
                 memset(out, 0x80, sizeof out); /* w = 0 */
             }
-            for (int p = 0; p < 8; p++) memcpy(dst + ((size_t)(b * 8 + p) * W + r) * 4, out + 4 * p, 4);
-            sv[(size_t)b * W + r] = sc;
-            mv[(size_t)b * W + r] = Q8_VNNI ? -128.f * sc : 0.f;
+            place(dst, sv, mv, 8, b, r, out, sc, Q8_VNNI ? -128.f * sc : 0.f);
         }
     }
     return (Tile){dst, sv, mv, 8};
@@ -202,17 +207,17 @@ static inline __attribute__((always_inline)) void tile_rows(const XQ8 *x, int i0
                                                             const Tile *t, int n0, int n, const float *bias,
                                                             float *y) {
     int blocks = k / 32;
-    vf acc[MR];
+    rowf acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = ZEROF();
-    const vi low = SET1B(15);
+    const rowi low = SET1B(15);
     for (int b = 0; b < blocks; b++) {
-        vi dh[MR], dl[MR]; /* the block's sums over x's high and low planes */
+        rowi dh[MR], dl[MR]; /* the block's sums over x's high and low planes */
         for (int i = 0; i < mr; i++) dh[i] = ZEROI(), dl[i] = ZEROI();
         const uint8_t *wb = t->q + (size_t)b * t->steps * W * 4;
         if (t->steps == 4) { /* 4-bit: each vector is two k-quads, p and p + 4 */
             for (int p = 0; p < 4; p++) {
-                vi v = LOADI(wb + (size_t)p * W * 4);
-                vi lo = ANDI(v, low), hi = ANDI(SRLI16(v, 4), low);
+                rowi v = LOADI(wb + (size_t)p * W * 4);
+                rowi lo = ANDI(v, low), hi = ANDI(SRLI16(v, 4), low);
                 for (int i = 0; i < mr; i++) {
                     size_t at = (size_t)(i0 + i) * k + b * 32 + 4 * p;
                     dh[i] = DOT(dh[i], lo, SET1I(quad(x->hi + at)));
@@ -223,10 +228,10 @@ static inline __attribute__((always_inline)) void tile_rows(const XQ8 *x, int i0
             }
         } else {
             for (int p = 0; p < 8; p++) {
-                vi v = LOADI(wb + (size_t)p * W * 4);
+                rowi v = LOADI(wb + (size_t)p * W * 4);
                 for (int i = 0; i < mr; i++) {
                     size_t at = (size_t)(i0 + i) * k + b * 32 + 4 * p;
-                    vi xh = SET1I(quad(x->hi + at)), xl = SET1I(quad(x->lo + at));
+                    rowi xh = SET1I(quad(x->hi + at)), xl = SET1I(quad(x->lo + at));
 #if Q8_VNNI
                     dh[i] = DOT(dh[i], v, xh);
                     dl[i] = DOT(dl[i], v, xl);
@@ -237,9 +242,9 @@ static inline __attribute__((always_inline)) void tile_rows(const XQ8 *x, int i0
                 }
             }
         }
-        vi dot[MR];
+        rowi dot[MR];
         for (int i = 0; i < mr; i++) dot[i] = ADDI(SLLI32(dh[i], 8), dl[i]);
-        vf s = LOADF(t->s + (size_t)b * W), m = LOADF(t->m + (size_t)b * W);
+        rowf s = LOADF(t->s + (size_t)b * W), m = LOADF(t->m + (size_t)b * W);
         for (int i = 0; i < mr; i++) {
             size_t at = (size_t)(i0 + i) * blocks + b;
             acc[i] = FMA(CVT(dot[i]), s * SET1F(x->dx[at]), acc[i]);
@@ -269,12 +274,7 @@ static Tile repack(const Weight *w, int n0, uint8_t *room) {
 static void rows_any(const XQ8 *x, int i0, int m, int k, const Tile *t, int n0, int n, const float *bias,
                      float *y) {
 #define TILE_ROWS(R) tile_rows(x, i0, R, k, t, n0, n, bias, y)
-    switch (m - i0 < MR ? m - i0 : MR) {
-    case 1: TILE_ROWS(1); break;
-    case 2: TILE_ROWS(2); break;
-    case 3: TILE_ROWS(3); break;
-    default: TILE_ROWS(MR); break;
-    }
+    WITH_CONSTANT_ROWS(m - i0, TILE_ROWS)
 #undef TILE_ROWS
 }
 

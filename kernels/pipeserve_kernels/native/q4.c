@@ -22,6 +22,7 @@ static void deinterleave(const float *x, float *xp, int m, int k) {
     }
 }
 
+#if !PREFILL_INT8 /* the float tiles' (q4_float_tiles) */
 /* Rows [n0, n0+rows) of the weight, dequantized in the de-interleaved order: tile [rows, K]. */
 static void dequant_rows(const uint8_t *q, const uint16_t *s, const uint16_t *z, int k, int g, int n0,
                          int rows, float *tile) {
@@ -41,6 +42,26 @@ static void dequant_rows(const uint8_t *q, const uint16_t *s, const uint16_t *z,
         }
     }
 }
+#endif
+
+#if !PREFILL_INT8 /* else prefill.c serves more than INT_ROWS rows */
+/* More than INT_ROWS rows without AVX2: the weight dequantized in float tiles. Small M: 16-row
+ * tiles stay in L1 and spread over threads; large M: 64-row tiles amortize the dequantization over
+ * more rows of x. */
+static void q4_float_tiles(const float *x, float *xp, int m, int k, const uint8_t *q, const uint16_t *s,
+                           const uint16_t *z, int n, int g, const float *bias, float *y) {
+    deinterleave(x, xp, m, k);
+    int nb = m <= 16 ? 16 : 64;
+    int tiles = (n + nb - 1) / nb;
+#pragma omp parallel for schedule(static) num_threads(threads())
+    for (int t = 0; t < tiles; t++) {
+        int n0 = t * nb, rows = n0 + nb <= n ? nb : n - n0;
+        float *tile = scratch(0, (size_t)nb * k);
+        dequant_rows(q, s, z, k, g, n0, rows, tile);
+        tile_matmul(xp, m, k, tile, rows, n0, n, bias, y);
+    }
+}
+#endif
 
 /* Few rows of x (decode): each weight chunk is dequantized in registers and used at once for the
  * m (<= SMALL_M) rows. Always inlined with a constant m, so the accumulators live in registers. */
@@ -134,43 +155,31 @@ static void rows_small_any(const float *xp, int m, int k, const uint8_t *q, cons
 /* y [M, N] = x [M, K] @ W^T (+ bias [N] or NULL); xp [M, K] is the caller's room for x reordered. */
 void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, const uint16_t *s,
                            const uint16_t *z, int n, int g, const float *bias, float *y) {
-#if PREFILL_INT8
-    if (m > INT_ROWS) { /* x in its natural order: prefill.c repacks the weight instead */
+    if (m > INT_ROWS) {
+#if PREFILL_INT8 /* x in its natural order: prefill.c repacks the weight instead */
         q4_matmul_int8(x, m, k, q, s, z, n, g, bias, y);
+#else
+        q4_float_tiles(x, xp, m, k, q, s, z, n, g, bias, y);
+#endif
         return;
     }
-#endif
     deinterleave(x, xp, m, k);
-    if (m <= INT_ROWS) {
-        int per = 16; /* output rows per task: whole cache lines of y, many tasks to balance */
-        int tasks = (n + per - 1) / per;
+    int per = 16; /* output rows per task: whole cache lines of y, many tasks to balance */
+    int tasks = (n + per - 1) / per;
 #if defined(__AVX2__)
-        QX qx = quantize_x(xp, m, k);
+    QX qx = quantize_x(xp, m, k);
 #pragma omp parallel for schedule(static) num_threads(threads())
-        for (int t = 0; t < tasks; t++) {
-            int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
-            rows_int_any(&qx, m, k, q, s, z, g, n0, n1, n, bias, y);
-        }
+    for (int t = 0; t < tasks; t++) {
+        int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+        rows_int_any(&qx, m, k, q, s, z, g, n0, n1, n, bias, y);
+    }
 #else
 #pragma omp parallel for schedule(static) num_threads(threads())
-        for (int t = 0; t < tasks; t++) {
-            int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
-            rows_small_any(xp, m, k, q, s, z, g, n0, n1, n, bias, y);
-        }
+    for (int t = 0; t < tasks; t++) {
+        int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+        rows_small_any(xp, m, k, q, s, z, g, n0, n1, n, bias, y);
+    }
 #endif
-        return;
-    }
-    /* Small M: 4-row tiles stay in L1 and spread over threads; large M: 64-row tiles amortize
-     * the dequantization over more rows of x. */
-    int nb = m <= 16 ? 16 : 64;
-    int tiles = (n + nb - 1) / nb;
-#pragma omp parallel for schedule(static) num_threads(threads())
-    for (int t = 0; t < tiles; t++) {
-        int n0 = t * nb, rows = n0 + nb <= n ? nb : n - n0;
-        float *tile = scratch(0, (size_t)nb * k);
-        dequant_rows(q, s, z, k, g, n0, rows, tile);
-        tile_matmul(xp, m, k, tile, rows, n0, n, bias, y);
-    }
 }
 
 void q4_matmul(const float *x, int m, int k, const uint8_t *q, const uint16_t *s, const uint16_t *z, int n,
