@@ -64,6 +64,7 @@ def _projection_kind(p: torch.nn.Module) -> int | None:
 
 
 def _projections(layer: DecoderLayer) -> tuple[torch.nn.Module, ...]:
+    """A layer's projections in decode.c's Layer order."""
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
@@ -99,10 +100,7 @@ class NativeDecoder:
                 Layer(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    _q4(layer.self_attn.qkv_proj),
-                    _q4(layer.self_attn.o_proj),
-                    _q4(layer.mlp.gate_up_proj),
-                    _q4(layer.mlp.down_proj),
+                    *map(_q4, _projections(layer)),  # decode.c's Layer order: qkv, o, gate_up, down
                 )
                 for layer in layers
             )
