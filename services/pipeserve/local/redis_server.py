@@ -125,12 +125,22 @@ def cluster_create(nodes: list[LocalRedis], timeout_s: float = 30.0) -> None:
         stderr=subprocess.PIPE,
         timeout=timeout_s,
     )
-    client = redis.Redis(host="127.0.0.1", port=nodes[0].port, socket_timeout=1.0)
+    # Every node, not the first alone: each learns the others' slots by gossip and answers
+    # CLUSTERDOWN until it has, so a client sent to a late node right after create failed.
+    clients = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=1.0) for n in nodes]
     deadline = time.monotonic() + timeout_s
     try:
-        while client.cluster("info").get("cluster_state") != "ok":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster of {addrs} is not ok after {timeout_s}s")
-            time.sleep(0.1)
+        for client in clients:
+            while not _cluster_ok(client, len(nodes)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster of {addrs} is not ok after {timeout_s}s")
+                time.sleep(0.1)
     finally:
-        client.close()
+        for client in clients:
+            client.close()
+
+
+def _cluster_ok(client: redis.Redis, nodes: int) -> bool:
+    """This node sees the cluster ok: every slot served, and every node known."""
+    info = client.cluster("info")
+    return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == nodes
