@@ -63,20 +63,21 @@ def _stage(model_dir: Path, quantization: str):
 def test_blocks_hold_exactly_the_values_of_the_float_checkpoint(quantized) -> None:
     _, out = quantized
     floats = load_file(str(out / "model.safetensors"))
-    blocks = GgufBlocks(out)
     want = {n for n in floats if _types(n) is not None}
-    assert blocks.names == want
-    for name in sorted(want):
-        assert torch.equal(blocks.dequantized([name]), floats[name]), name
-    assert blocks.kind("model.layers.0.self_attn.q_proj.weight") == "q4"
-    assert blocks.kind("model.embed_tokens.weight") == "q8"
+    with GgufBlocks(out) as blocks:
+        assert blocks.names == want
+        for name in sorted(want):
+            assert torch.equal(blocks.dequantized([name]), floats[name]), name
+        assert blocks.kind("model.layers.0.self_attn.q_proj.weight") == "q4"
+        assert blocks.kind("model.embed_tokens.weight") == "q8"
+    with pytest.raises(RuntimeError, match="inside"):  # closed: no handle outlives the install
+        blocks.dequantized(["model.embed_tokens.weight"])
 
 
 def test_gguf_stage_computes_with_the_blocks(quantized) -> None:
     _, out = quantized
     model = _stage(out, "gguf")
     floats = load_file(str(out / "model.safetensors"))
-    blocks = GgufBlocks(out)
     # no float projection is left: every one is the file's blocks
     assert [n for n, m in model.named_modules() if isinstance(m, Linear)] == []
     assert isinstance(model.embed_tokens, Q8Embedding)
@@ -111,7 +112,7 @@ def test_gguf_stage_computes_with_the_blocks(quantized) -> None:
             assert (module(xin) - ref).abs().max().item() <= 0.03 * ref.abs().max().item()
     # what it holds is the blocks' size, not float32's
     assert model.weight_bytes() < _stage(out, "none").weight_bytes() / 3
-    assert blocks.path.name == BLOCKS_FILE
+    assert GgufBlocks(out).path.name == BLOCKS_FILE
 
 
 def test_gguf_mode_needs_a_converted_gguf(quantized) -> None:

@@ -16,11 +16,16 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-
-import redis
+from typing import TYPE_CHECKING
 
 from pipeserve.errors import ConfigError
 from pipeserve.local.launcher import free_port
+
+if TYPE_CHECKING:
+    import redis
+
+# redis-py (~80 ms to import) is imported by the functions that talk to the server: `pipeserve up`
+# imports this module before it launches the stages, whose start is the long pole of ready.
 
 
 class LocalRedis:
@@ -59,6 +64,8 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        import redis
+
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
         )
@@ -125,6 +132,8 @@ def cluster_create(nodes: list[LocalRedis], timeout_s: float = 30.0) -> None:
         stderr=subprocess.PIPE,
         timeout=timeout_s,
     )
+    import redis
+
     # Every node, not the first alone: each learns the others' slots by gossip and answers
     # CLUSTERDOWN until it has, so a client sent to a late node right after create failed.
     clients = [redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=1.0) for n in nodes]

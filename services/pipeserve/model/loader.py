@@ -232,7 +232,8 @@ def load_stage_model(
         model = StageModel(cfg, stage, max_len).to(cfg.dtype)
     served: set[str] = set()
     if quantization == "gguf":  # the file's blocks, installed before any float tensor is read
-        served = install_blocks(model, GgufBlocks(model_dir), cfg, stage, device)
+        with GgufBlocks(model_dir) as blocks:
+            served = install_blocks(model, blocks, cfg, stage, device)
     params = _fuse(read_stage_tensors(model_dir, cfg, stage, frozenset(served)), cfg, stage)
     own = dict(model.named_parameters())
     unfilled = sorted(set(own) - set(params))
