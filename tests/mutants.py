@@ -1560,6 +1560,20 @@ MUTANTS = [
         "        params[dst] = torch.cat([t.pop(s) for s in reversed(src)])",
         "tests/model/test_native_decode.py -k matches_hf",
     ),
+    (
+        "block pool hands out never-used blocks before recycled ones (RSS grows per request)",
+        "services/pipeserve/engine/block_manager.py",
+        "            bid = self.blank.pop() if self.blank else self.free.popitem(last=False)[0]",
+        "            bid = self.blank.pop(0) if self.blank else self.free.popitem(last=False)[0]",
+        "tests/engine/test_block_manager.py",
+    ),
+    (
+        "block pool evicts a cached prefix while blank blocks are left",
+        "services/pipeserve/engine/block_manager.py",
+        "            bid = self.blank.pop() if self.blank else self.free.popitem(last=False)[0]",
+        "            bid = self.free.popitem(last=False)[0] if self.free else self.blank.pop()",
+        "tests/engine/test_block_manager.py",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

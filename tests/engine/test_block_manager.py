@@ -42,11 +42,33 @@ def test_release_returns_blocks_and_lru_evicts_oldest_first() -> None:
     bm.release(a)
     bm.release(b)
     assert bm.num_free == 6
-    # a's blocks were freed first, so they are evicted first, tail block before prefix blocks.
-    assert bm.allocate(2) == [2, 1]
+    # The tail blocks (2: [5], 5: [11]) hold no full-block hash: they are taken first, most
+    # recently freed first, and no cached prefix is evicted for them.
+    assert bm.allocate(2) == [5, 2]
+    assert bm.stats.evictions == 0
+    # Then the cached blocks, least recently freed first: a's before b's, tail before prefix.
+    assert bm.allocate(1) == [1]
     assert bm.match_prefix([1, 2, 3, 4, 5])[0] == [0]  # block 1 ([3, 4]) evicted, block 0 kept
     assert bm.match_prefix([7, 8, 9, 10, 11])[0] == [3, 4]
-    assert bm.stats.evictions == 1  # block 2 held no full-block hash
+    assert bm.stats.evictions == 1
+
+
+def test_recycled_blocks_before_never_used_ones() -> None:
+    """Requests that come and go without a cache reuse the same few blocks: on a CPU the pool is
+    committed as its pages are first written, and resident memory must follow the working set,
+    not the number of requests served (handing out never-used blocks first grew it by each
+    request's KV until the pool was spent)."""
+    for caching in (False, True):
+        bm = BlockManager(1000, 4, enable_prefix_caching=caching)
+        used: set[int] = set()
+        for i in range(50):
+            r = _req(f"r{i}", [i * 100 + t for t in range(9)])  # fresh tokens: no prefix hit
+            _fill(bm, r)
+            used.update(r.block_ids)
+            bm.release(r)
+        # without a cache: one request's 3 blocks; with one, 2 full blocks kept per request + 1
+        assert len(used) == (3 if not caching else 2 * 50 + 1), caching
+        assert bm.num_free == 1000
 
 
 def test_shared_blocks_are_refcounted() -> None:

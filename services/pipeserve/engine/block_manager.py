@@ -1,13 +1,19 @@
 """BlockManager: the KV block pool and prefix cache of stage 0.
 
 Invariants:
-* A block is either referenced (ref_count > 0, owned by >= 1 request) or in
-  `free` (ref_count == 0). `free` is LRU-ordered: allocation takes from the
-  front, release appends at the back, so the longest-unused block is reused
-  first.
-* A free block may still hold a cached prefix (`hash` set, listed in `cached`);
-  allocating it for new content evicts that entry. A prefix hit on a free
-  block takes it out of `free`.
+* A block is either referenced (ref_count > 0, owned by >= 1 request) or free
+  (ref_count == 0), in exactly one of two places:
+  - `blank`, a stack of free blocks that hold nothing worth keeping (no hash):
+    a block released without a hash goes on top, blocks never used lie at the
+    bottom;
+  - `free`, the LRU-ordered free blocks that hold a cached prefix (`hash` set,
+    listed in `cached`): release appends at the back, eviction takes the
+    front. A prefix hit on a free block takes it out of `free`.
+* Allocation takes the top of `blank` first, then evicts from `free`'s front.
+  So a cached prefix is evicted only when no blank block is left, and the pool's
+  pages are touched as the cache needs them: on a CPU the pool is lazily
+  committed memory, and handing out never-used blocks while recycled ones wait
+  grew the resident set by every request's KV, cache or no cache.
 * Block hashes chain: h_i = xxh3_64(h_{i-1} || tokens of block i), so a hash
   names the whole prefix up to and including block i. Only full blocks whose
   tokens all have KV are hashed. A hit also compares the tokens, so a hash
@@ -77,7 +83,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict()
+        self.blank: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() yields 0, 1, ... first
         self.cached: dict[int, int] = {}  # hash -> block_id
         self.stats = CacheStats()
         # Per request: chained hashes of its leading full blocks that are committed.
@@ -90,7 +97,7 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.blank) + len(self.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -188,11 +195,11 @@ class BlockManager:
             block.ref_count += 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError(f"allocate({n}) with {len(self.free)} free blocks")
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with {self.num_free} free blocks")
         out = []
         for _ in range(n):
-            bid, _ = self.free.popitem(last=False)
+            bid = self.blank.pop() if self.blank else self.free.popitem(last=False)[0]
             block = self.blocks[bid]
             if block.hash is not None:
                 if self.cached.get(block.hash) == bid:
@@ -220,6 +227,9 @@ class BlockManager:
             block = self.blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[bid] = None
+                if block.hash is not None:
+                    self.free[bid] = None
+                else:
+                    self.blank.append(bid)
             elif block.ref_count < 0:
                 raise RuntimeError(f"block {bid} released more often than taken")
