@@ -9,6 +9,7 @@ process tree once ready. Other processes on the machine slow every phase: the
 load average is printed beside the results.
 
     python benchmarks/startup.py --runs 5
+    python benchmarks/startup.py --runs 5 --model default --extra "--quantization gguf"   # make run
     python benchmarks/startup.py --runs 3 --extra "--kv-cache-dtype float16"
 """
 
@@ -84,14 +85,13 @@ def complete(url: str, body: dict, timeout_s: float) -> int:
 class Up:
     """`pipeserve up` as a child process in its own session, stopped on exit."""
 
-    def __init__(self, model: Path, stages: int, extra: list[str], log: Path) -> None:
+    def __init__(self, model: Path | None, stages: int, extra: list[str], log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
             str(PIPESERVE),
             "up",
-            "--model",
-            str(model),
+            *(["--model", str(model)] if model is not None else []),
             "--stages",
             str(stages),
             "--port",
@@ -127,12 +127,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--model", help="checkpoint dir (default: the benchmark checkpoint)")
+    p.add_argument(
+        "--model",
+        help="checkpoint dir (default: the benchmark checkpoint); 'default': `pipeserve up`'s own model",
+    )
     p.add_argument("--extra", default="", help="more `pipeserve up` flags, one shell-quoted string")
     p.add_argument("--deadline-s", type=float, default=120.0)
     args = p.parse_args()
-    model = Path(args.model) if args.model else bench_model()
-    body = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 1}
+    model = None if args.model == "default" else Path(args.model) if args.model else bench_model()
+    body = {"prompt": [1, 2, 3], "max_tokens": 1}  # the one served model
     times, rss = [], []
     with tempfile.TemporaryDirectory(prefix="pipeserve-startup-") as tmp:
         for i in range(args.runs):
