@@ -1574,6 +1574,34 @@ MUTANTS = [
         "            bid = self.free.popitem(last=False)[0] if self.free else self.blank.pop()",
         "tests/engine/test_block_manager.py",
     ),
+    (
+        "routed experts indexed off by one",
+        "services/pipeserve/model/moe.py",
+        "            h = K.silu_and_mul(K.linear(rows[seg], self.gate_up_proj[e], None))",
+        "            h = K.silu_and_mul(K.linear(rows[seg], self.gate_up_proj[(e + 1) % len(counts)], None))",
+        "tests/model/test_moe.py",
+    ),
+    (
+        "per-expert gate and up swapped when fused",
+        "services/pipeserve/model/moe.py",
+        "    gate_up = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)",
+        "    gate_up = torch.cat([torch.stack(up), torch.stack(gate)], dim=1)",
+        "tests/model/test_moe.py",
+    ),
+    (
+        "router top-k weights not renormalized",
+        "services/pipeserve/model/moe.py",
+        "            weights = weights / weights.sum(dim=-1, keepdim=True)",
+        "            weights = weights",
+        "tests/model/test_moe.py",
+    ),
+    (
+        "router softmax over the tokens, not the experts",
+        "services/pipeserve/model/moe.py",
+        "        probs = torch.softmax(logits.float(), dim=-1)",
+        "        probs = torch.softmax(logits.float(), dim=0)",
+        "tests/model/test_moe.py",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
