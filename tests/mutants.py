@@ -1602,6 +1602,41 @@ MUTANTS = [
         "        probs = torch.softmax(logits.float(), dim=0)",
         "tests/model/test_moe.py",
     ),
+    (
+        "sliding window excludes the current token's oldest neighbour (window - 1 keys seen)",
+        "kernels/pipeserve_kernels/reference.py",
+        "        seen &= kpos > qpos - window",
+        "        seen &= kpos > qpos - window + 1",
+        "tests/kernels/test_attention_window.py -k reference",
+    ),
+    (
+        "CPU decode ignores the window on a group of one length",
+        "kernels/pipeserve_kernels/cpu.py",
+        "    first = max(0, min(lens) - window) if window is not None else 0",
+        "    first = 0",
+        "tests/kernels/test_attention_window.py -k decode_backends",
+    ),
+    (
+        "Triton prefill ignores the window",
+        "kernels/pipeserve_kernels/triton_attention.py",
+        "                seen = seen & (kpos[None, :] > qpos[:, None] - window)",
+        "                seen = seen",
+        "tests/kernels/test_attention_window.py -k prefill_backends",
+    ),
+    (
+        "Triton decode skips the softcap",
+        "kernels/pipeserve_kernels/triton_attention.py",
+        "            s = _softcap(s, softcap)\n        s = tl.where(valid[None, :], s, NEG)",
+        "            s = s\n        s = tl.where(valid[None, :], s, NEG)",
+        "tests/kernels/test_attention_window.py -k decode_backends",
+    ),
+    (
+        "reference attention skips the softcap",
+        "kernels/pipeserve_kernels/reference.py",
+        "    scores = torch.tanh(scores / softcap) * softcap",
+        "    scores = scores",
+        "tests/kernels/test_attention_window.py -k reference",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -16,6 +16,9 @@ small ops per layer, each costing a dispatch and often an allocation, so these c
   attends with SDPA's own causal flag over the query heads (keys shared by GQA groups), so no
   [G*L, ctx] mask is built and the masked half of the scores is skipped (2.2x at 2048 tokens);
   a later chunk keeps the reference's mask. Equal to the reference within float rounding.
+* window / softcap (reference.py's attention options): a decode with a window reads only the keys
+  from the earliest one a row of the group sees; a softcap (explicit scores) and a windowed prefill
+  run the reference.
 """
 
 from __future__ import annotations
@@ -85,15 +88,23 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     workspace: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per row, q [B, H, D] -> [B, H, D]; contract of reference.paged_attention_decode."""
+    if softcap is not None:  # SDPA has no softcap: the reference's explicit scores
+        return reference.paged_attention_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, workspace, window, softcap
+        )
     b = block_tables.shape[0]
     bs = k_cache.shape[1]
     lens = context_lens.tolist()
     longest = max(lens)
+    # The first key any row sees: a window hides every key before ctx - window (the row's token is ctx - 1).
+    first = max(0, min(lens) - window) if window is not None else 0
     nb = -(-longest // bs)  # blocks holding the longest context; the table may be wider
     if b == 1 and (view := _pool_view(k_cache, v_cache, block_tables[0, :nb].tolist())) is not None:
-        return _attend(q, *view, 1, nb, longest, None, scale)
+        return _attend(q, *view, 1, nb, first, longest, None, scale)
     flat = block_tables[:, :nb].reshape(-1)
     if workspace is None:
         k_blocks, v_blocks = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
@@ -101,10 +112,10 @@ def paged_attention_decode(
         k_blocks = torch.index_select(k_cache, 0, flat, out=workspace[0, : b * nb])
         v_blocks = torch.index_select(v_cache, 0, flat, out=workspace[1, : b * nb])
     mask = None
-    if min(lens) < longest:
-        pos = torch.arange(longest, device=q.device)
-        mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    return _attend(q, k_blocks, v_blocks, b, nb, longest, mask, scale)
+    if min(lens) < longest:  # rows of one length see exactly keys first..longest-1
+        pos = torch.arange(first, longest, device=q.device)
+        mask = reference.visible(pos[None, :], context_lens[:, None] - 1, window)[:, None, None, :]
+    return _attend(q, k_blocks, v_blocks, b, nb, first, longest, mask, scale)
 
 
 def _attend(
@@ -113,15 +124,16 @@ def _attend(
     v_blocks: torch.Tensor,
     b: int,
     nb: int,
+    first: int,
     length: int,
     mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """SDPA of q over the first `length` slots of each row's nb blocks ([b*nb, BS, KVH, D])."""
+    """SDPA of q over slots first..length-1 of each row's nb blocks ([b*nb, BS, KVH, D])."""
     bs, kvh, d = k_blocks.shape[1:]
     # A cache in another dtype than q (--kv-cache-dtype) is upcast here; a no-op otherwise.
-    keys = k_blocks.reshape(b, nb * bs, kvh, d)[:, :length].transpose(1, 2).to(q.dtype)
-    values = v_blocks.reshape(b, nb * bs, kvh, d)[:, :length].transpose(1, 2).to(q.dtype)
+    keys = k_blocks.reshape(b, nb * bs, kvh, d)[:, first:length].transpose(1, 2).to(q.dtype)
+    values = v_blocks.reshape(b, nb * bs, kvh, d)[:, first:length].transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(q.view(b, kvh, -1, d), keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, -1, d)
 
@@ -133,10 +145,16 @@ def paged_attention_prefill(
     block_table: torch.Tensor,
     start_pos: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """reference.paged_attention_prefill's contract: q [L, H, D] at positions start_pos.. -> [L, H, D]."""
-    if start_pos:  # queries see the cached prefix and their own chunk: the reference's offset mask
-        return reference.paged_attention_prefill(q, k_cache, v_cache, block_table, start_pos, scale)
+    # A later chunk sees the cached prefix and its own chunk (the reference's offset mask); a window
+    # or a softcap is beyond SDPA's causal flag.
+    if start_pos or window is not None or softcap is not None:
+        return reference.paged_attention_prefill(
+            q, k_cache, v_cache, block_table, start_pos, scale, window, softcap
+        )
     length, heads, d = q.shape
     kvh = k_cache.shape[2]
     view = _pool_view(k_cache, v_cache, block_table.tolist())

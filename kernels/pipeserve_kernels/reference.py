@@ -2,6 +2,12 @@
 
 Numerics follow Hugging Face transformers' Llama modules (float32 RMS
 statistics, `rotate_half` rotary) so greedy outputs match it token for token.
+
+Attention options (both paged attention ops), as transformers' Gemma 2/3 and Mistral:
+  window   key p is visible to a query at position i iff i - window < p <= i (masking_utils'
+           sliding_window_overlay: the current token plus the window - 1 before it); None: causal only.
+  softcap  scores become softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2's
+           eager attention). SDPA has no softcap, so these scores are computed explicitly here.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     workspace: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per row. q [B, H, D] -> [B, H, D].
 
@@ -84,8 +92,9 @@ def paged_attention_decode(
     keys = k_blocks.view(b, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
     values = v_blocks.view(b, nb * bs, kvh, d).transpose(1, 2).to(q.dtype)
     pos = torch.arange(nb * bs, device=q.device)
-    mask = (pos[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    out = F.scaled_dot_product_attention(q.view(b, kvh, g, d), keys, values, attn_mask=mask, scale=scale)
+    # The row's token sits at position ctx - 1; padding past it is never visible.
+    mask = visible(pos[None, :], context_lens[:, None] - 1, window)[:, None, None, :]  # [B, 1, 1, S]
+    out = attend(q.view(b, kvh, g, d), keys, values, mask, scale, softcap)
     return out.reshape(b, kvh * g, d)
 
 
@@ -96,6 +105,8 @@ def paged_attention_prefill(
     block_table: torch.Tensor,
     start_pos: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A chunk of L query tokens of one sequence at positions start_pos..start_pos+L-1.
 
@@ -111,10 +122,39 @@ def paged_attention_prefill(
     values = v_cache[block_table].view(-1, kvh, d)[:ctx].transpose(0, 1).to(q.dtype)
     qg = q.transpose(0, 1).reshape(kvh, g * length, d)
     rows = torch.arange(length, device=q.device).repeat(g)[:, None] + start_pos
-    mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [G*L, ctx]
+    mask = visible(torch.arange(ctx, device=q.device)[None, :], rows, window)  # [G*L, ctx]
     # A leading batch dim selects torch's fused CPU attention over the generic path.
-    out = F.scaled_dot_product_attention(qg[None], keys[None], values[None], attn_mask=mask, scale=scale)
+    out = attend(qg[None], keys[None], values[None], mask, scale, softcap)
     return out[0].view(heads, length, d).transpose(0, 1)
+
+
+def visible(kpos: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees (broadcast kpos against qpos): causal, and within the window."""
+    seen = kpos <= qpos
+    if window is not None:
+        seen &= kpos > qpos - window
+    return seen
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v over [..., rows, D] x [..., S, D]; mask broadcasts to [..., rows, S].
+
+    With softcap, the scores are explicit, in transformers' eager order: scale, cap, mask, softmax
+    in float32 (every row sees at least its own key, so no row is fully masked).
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 def rms_norm_residual(

@@ -10,6 +10,11 @@ GQA: query head h reads kv head h // G (G = H / KVH), as transformers'
 repeat_kv. Decode runs one program per (sequence, kv head) holding that kv
 head's G query heads, so each K/V tile is loaded once for the group; prefill
 runs one program per (query tile, span, query head).
+
+window / softcap as in reference.py (key p visible to query i iff i - window < p <= i; scores
+capped to softcap * tanh(s / softcap) before the mask): passed as 0 for none, with constexpr flags so
+a layer without them compiles the plain kernel. A window also moves the start of the key walk to the
+first key the program's queries can see, so a local layer reads O(window) keys per query.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import triton.language as tl
 
 from pipeserve_kernels.triton_checks import (
     INDEX_DTYPES,
+    check_attention_options,
     check_divisible,
     check_same_dtype,
     check_tensor,
@@ -31,6 +37,16 @@ NEG = -1.0e30
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap); tanh as (1 - e) / (1 + e), e = exp(-2|x|), which never overflows
+    (the interpreter has no libdevice.tanh)."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     kc_ptr,
@@ -39,6 +55,8 @@ def _decode_kernel(
     lens_ptr,
     out_ptr,
     scale,
+    window,
+    softcap,
     q_stride_b,
     q_stride_h,
     o_stride_b,
@@ -53,6 +71,8 @@ def _decode_kernel(
     D_P: tl.constexpr,
     BS: tl.constexpr,
     TILE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,7 +87,10 @@ def _decode_kernel(
     m_i = tl.full([G_P], NEG, tl.float32)
     l_i = tl.zeros([G_P], tl.float32)
     acc = tl.zeros([G_P, D_P], tl.float32)
-    for start in range(0, ctx, TILE):
+    first = 0
+    if HAS_WINDOW:  # the query is at ctx - 1: keys ctx - window..ctx - 1
+        first = tl.maximum(ctx - window, 0)
+    for start in range(first, ctx, TILE):
         toks = start + tl.arange(0, TILE)
         valid = toks < ctx
         bid = tl.load(bt_ptr + b * bt_stride + toks // BS, mask=valid, other=0).to(tl.int64)
@@ -76,6 +99,8 @@ def _decode_kernel(
         k = tl.load(kc_ptr + base[:, None] + ds[None, :], mask=kvmask, other=0.0).to(tl.float32)
         # [G_P, TILE]: G is small (1..8), a broadcast product beats padding a dot to 16 rows.
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if HAS_SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(valid[None, :], s, NEG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -107,6 +132,8 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     workspace: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per row: q [B, H, D] -> [B, H, D] (contract of reference.paged_attention_decode).
 
@@ -119,6 +146,7 @@ def paged_attention_decode(
     check_tensor(op, "block_tables", block_tables, ("B", "max_blocks"), sizes, INDEX_DTYPES, unit_last=True)
     check_tensor(op, "context_lens", context_lens, ("B",), sizes, INDEX_DTYPES, unit_last=False)
     check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    check_attention_options(op, window, softcap)
     b, heads, d = q.shape
     kvh = k_cache.shape[2]
     g = heads // kvh
@@ -133,6 +161,8 @@ def paged_attention_decode(
             context_lens,
             out,
             scale,
+            window or 0,
+            softcap or 0.0,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -147,6 +177,8 @@ def paged_attention_decode(
             D_P=d_p,
             BS=k_cache.shape[1],
             TILE=32 if d_p >= 128 else 64,
+            HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=softcap is not None,
         )
     return out
 
@@ -161,6 +193,8 @@ def _prefill_kernel(
     start_ptr,
     out_ptr,
     scale,
+    window,
+    softcap,
     q_stride_t,
     q_stride_h,
     o_stride_t,
@@ -176,6 +210,8 @@ def _prefill_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     DOT_F32: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     span = tl.program_id(1)
@@ -198,7 +234,10 @@ def _prefill_kernel(
         m_i = tl.full([BM], NEG, tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D_P], tl.float32)
-        for k0 in range(0, kv_end, BN):
+        first = 0
+        if HAS_WINDOW:  # the tile's first query (start + tile * BM) sees keys from here on
+            first = tl.maximum(start + tile * BM - window + 1, 0)
+        for k0 in range(first, kv_end, BN):
             kpos = k0 + tl.arange(0, BN)
             kvalid = kpos < kv_end
             bid = tl.load(bt_ptr + span * bt_stride + kpos // BS, mask=kvalid, other=0).to(tl.int64)
@@ -210,7 +249,11 @@ def _prefill_kernel(
                 k, v = k.to(tl.float32), v.to(tl.float32)
             # ieee: float32 inputs must not be rounded to tf32 (HF-exact greedy); ignored for 16-bit.
             s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+            if HAS_SOFTCAP:
+                s = _softcap(s, softcap)
             seen = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :]
+            if HAS_WINDOW:
+                seen = seen & (kpos[None, :] > qpos[:, None] - window)
             s = tl.where(seen, s, NEG)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
@@ -232,6 +275,8 @@ def paged_attention_prefill_varlen(
     start_pos: torch.Tensor,
     max_len: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill chunks of S sequences in one launch. q [T, H, D] -> [T, H, D].
 
@@ -247,6 +292,7 @@ def paged_attention_prefill_varlen(
     check_tensor(op, "cu_seqlens", cu_seqlens, (sizes["S"] + 1,), sizes, INDEX_DTYPES, unit_last=False)
     check_tensor(op, "start_pos", start_pos, ("S",), sizes, INDEX_DTYPES, unit_last=False)
     check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    check_attention_options(op, window, softcap)
     t, heads, d = q.shape
     out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
     spans = block_tables.shape[0]
@@ -261,6 +307,8 @@ def paged_attention_prefill_varlen(
             start_pos,
             out,
             scale,
+            window or 0,
+            softcap or 0.0,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -277,6 +325,8 @@ def paged_attention_prefill_varlen(
             BN=32,
             # The interpreter's 16-bit tl.dot is wrong (triton 3.9): dot in float32 there.
             DOT_F32=q.dtype == torch.float32 or interpreting(),
+            HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=softcap is not None,
         )
     return out
 
@@ -288,6 +338,8 @@ def paged_attention_prefill(
     block_table: torch.Tensor,
     start_pos: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One span (contract of reference.paged_attention_prefill): q [L, H, D] at start_pos, table [nb]."""
     check_tensor("paged_attention_prefill", "block_table", block_table, ("nb",), dtypes=INDEX_DTYPES)
@@ -302,4 +354,6 @@ def paged_attention_prefill(
         torch.tensor([start_pos], dtype=torch.int32, device=dev),
         length,
         scale,
+        window,
+        softcap,
     )

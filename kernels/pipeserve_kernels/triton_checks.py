@@ -76,4 +76,12 @@ def check_divisible(op: str, heads: int, kv_heads: int) -> None:
         raise ValueError(f"{op}: query heads H={heads} must be a multiple of kv heads KVH={kv_heads}")
 
 
+def check_attention_options(op: str, window: int | None, softcap: float | None) -> None:
+    """window >= 1 and softcap > 0 where given (the kernels read 0 as "none")."""
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{op}: window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{op}: softcap must be > 0 or None, got {softcap!r}")
+
+
 INDEX_DTYPES = (torch.int32, torch.int64)
