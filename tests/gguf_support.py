@@ -5,7 +5,9 @@ session (keyed by pytest's session base temp dir, so test modules share it).
 `write_llama_gguf(hf_dir, path)` writes an HF llama checkpoint as llama.cpp's
 converter would (F32 tensors, llama.cpp names, q/k rows permuted, byte-level
 BPE vocabulary in the metadata), so a round trip through `convert_gguf` can be
-checked exactly against the original, without the 93 MB package.
+checked exactly against the original, without the 93 MB package. `quant` picks each tensor's
+type: F16, BF16, gguf's own quantizers (Q4_0, Q4_1, Q8_0) or pipeserve's reference quantizer
+(model/gguf_quant.py: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); `q4_k_m` is the mix of a Q4_K_M file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from pipeserve.model import gguf_quant
 from pipeserve.model.default import default_model, smollm2_gguf
+
+Q = gguf.GGMLQuantizationType
 
 
 @cache
@@ -59,6 +64,26 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
     return f"blk.{layer}.{_NAMES[rest]}"
+
+
+def q4_k_m(hf: str) -> gguf.GGMLQuantizationType | None:
+    """A Q4_K_M file's mix (llama.cpp's llama_tensor_get_type, simplified to every layer): attn_v and
+    ffn_down in Q6_K, the output in Q6_K, every other matrix (the embedding too) in Q4_K; norms F32.
+    Rows must be multiples of 256 (K-quants' super-block)."""
+    if hf.endswith("norm.weight"):
+        return None
+    if hf == "lm_head.weight" or hf.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")):
+        return Q.Q6_K
+    return Q.Q4_K
+
+
+def gguf_tensor(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """float32 [N, K] -> the array `GGUFWriter.add_tensor(..., raw_dtype=qtype)` stores."""
+    if qtype.name in gguf_quant.TYPES:
+        return gguf_quant.quantize(a, qtype.name)
+    if qtype == Q.F16:
+        return a.astype(np.float16)
+    return gguf.quants.quantize(a, qtype)  # F32, BF16, Q4_0, Q4_1, Q8_0 (as llama.cpp)
 
 
 def write_llama_gguf(
@@ -108,8 +133,8 @@ def write_llama_gguf(
         if qtype is None:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
         else:
-            blocks = gguf.quants.quantize(np.ascontiguousarray(a), qtype)
-            w.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
+            data = gguf_tensor(np.ascontiguousarray(a), qtype)
+            w.add_tensor(gguf_name(name), data, raw_dtype=None if qtype == Q.F16 else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
