@@ -954,9 +954,9 @@ MUTANTS = [
     ),
     (
         "chat template uses jinja2's tojson, not transformers'",
-        "services/pipeserve/tokenizer.py",
-        '            env.filters["tojson"] = _tojson',
-        '            env.filters["tojson"] = env.filters["tojson"]',
+        "services/pipeserve/chat_template.py",
+        '    env.filters["tojson"] = _tojson',
+        '    env.filters["tojson"] = env.filters["tojson"]',
         "tests/router/test_tools_protocol.py -k render",
     ),
     (
@@ -1636,6 +1636,34 @@ MUTANTS = [
         "    scores = torch.tanh(scores / softcap) * softcap",
         "    scores = scores",
         "tests/kernels/test_attention_window.py -k reference",
+    ),
+    (
+        "reasoning parser ignores the </think> end tag",
+        "services/pipeserve/router/reasoning.py",
+        "            found = [(i, t) for t in tags if (i := buf.find(t)) >= 0]",
+        "            found = [(i, t) for t in tags if t != END and (i := buf.find(t)) >= 0]",
+        "tests/router/test_family_parsers.py tests/router/test_chat_families_e2e.py -k 'reasoning or qwen3'",
+    ),
+    (
+        "mistral tool call ids in OpenAI's call_ form",
+        "services/pipeserve/router/tool_parsers/mistral.py",
+        '        return "".join(random.choices(ID_CHARS, k=ID_LENGTH))',
+        '        return "call_" + "".join(random.choices(ID_CHARS, k=24))',
+        "tests/router/test_chat_families_e2e.py -k mistral",
+    ),
+    (
+        "chat_template_kwargs dropped",
+        "services/pipeserve/router/chat_args.py",
+        "        kwargs = {k: v for k, v in raw.items() if k not in FLAGS}",
+        "        kwargs = {}",
+        "tests/router/test_chat_render.py tests/router/test_chat_families_e2e.py -k 'thinking or kwargs'",
+    ),
+    (
+        "detokenizer drops the tool parser's special tags",
+        "services/pipeserve/tokenizer.py",
+        "        drop = frozenset(i for i, text in special.items() if text not in keep)",
+        "        drop = frozenset(special)",
+        "tests/router/test_chat_families_e2e.py -k mistral",
     ),
 ]
 

@@ -241,7 +241,7 @@ def add_config_args(
     parser: argparse.ArgumentParser, cls: type, skip: set[str] = _NOT_FLAGS, prefix: str = ""
 ) -> None:
     """One flag per dataclass field (`--max-num-seqs`; `--{prefix}-...` with a prefix), defaulting
-    to the field's default. A field's metadata may add `choices` and
+    to the field's default. A field's metadata may add `choices`, `help` and
     an environment variable that replaces the default when set and non-empty (`env`). The flags
     form one group of the help, titled by the class and described by its docstring."""
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").split("\n\n")[0].strip())
@@ -258,7 +258,8 @@ def add_config_args(
             group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction, default=default)
         else:
             choices = f.metadata.get("choices")
-            group.add_argument(*names, dest=dest, type=kind, default=default, choices=choices)
+            help_text = f.metadata.get("help")
+            group.add_argument(*names, dest=dest, type=kind, default=default, choices=choices, help=help_text)
 
 
 def config_from_args(
@@ -286,7 +287,9 @@ def config_argv(config: object, skip: set[str] = _NOT_FLAGS) -> list[str]:
 # --- serving -----------------------------------------------------------------
 POLICIES = ("round_robin", "least_load", "prefix_affinity")
 # --tool-call-parser's names (vLLM's); router/tool_parsers' registry holds the same (a test checks)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# --reasoning-parser's names (vLLM's); router/reasoning.py's registry holds the same (a test checks)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -338,6 +341,15 @@ class RouterConfig:
     chat_template: str | None = None
     # How the model writes tool calls (router/tool_parsers): needed by tool_choice "auto"; None: no parser
     tool_call_parser: str | None = field(default=None, metadata={"choices": TOOL_CALL_PARSERS})
+    # How the model marks its reasoning (router/reasoning.py): chat responses carry the text between
+    # <think> and </think> as `reasoning_content`, apart from `content`; None: all of it is content
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "choices": REASONING_PARSERS,
+            "help": "split <think>...</think> into the chat message's reasoning_content (vLLM's names)",
+        },
+    )
     tokenizer_threads: int = 2  # the router's pool for tokenization and chat rendering (off the event loop)
     # Slow or hostile clients (router/http_guard.py): a connection's request line and headers must arrive
     # within header_timeout_s of its start (or of its previous response) and fit in max_header_bytes;
@@ -374,6 +386,11 @@ class RouterConfig:
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             "tool_call_parser",
             f"must be one of {TOOL_CALL_PARSERS}",
+        )
+        need(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser",
+            f"must be one of {REASONING_PARSERS}",
         )
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")

@@ -20,54 +20,27 @@ event loop.
 than that many UTF-8 bytes fits in the context (see its docstring), so such
 a prompt is refused without tokenizing it.
 
-The template runs in jinja2's immutable sandbox, as transformers does: a chat
-request cannot reach Python objects through it, and `raise_exception(msg)` in
-a template becomes a 400 naming `messages`. It sees what transformers'
-`apply_chat_template(messages, tools=..., add_generation_prompt=True)` gives
-it: `messages`, `tools` (None without tools), `documents` (None), the special
-tokens, transformers' `tojson` filter (json.dumps: no HTML escaping, keys in
-their order, `indent`/`separators`/`sort_keys` options) and `strftime_now`.
+The template is rendered as transformers' `apply_chat_template` renders it
+(pipeserve/chat_template.py: jinja2's immutable sandbox, the same variables,
+filters and globals, chat_template_kwargs, continue_final_message);
+`raise_exception(msg)` in a template becomes a 400 naming `messages`.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
+from pipeserve import chat_template as chat
 from pipeserve.errors import InvalidRequestError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-
-
-class TemplateError(Exception):
-    pass
-
-
-def _raise(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' filter, not jinja2's (which escapes <>&' as HTML and sorts keys): tool schemas and
-    # call arguments render as apply_chat_template renders them
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
 
 
 def _special(cfg: dict, key: str) -> str:
@@ -101,14 +74,9 @@ class TokenizerAssets:
         self.tokenizer = tokenizer
         self.special = special
         self._template: jinja2.Template | None = None
+        self.chat_template = chat_template
         if chat_template:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = _strftime_now
-            env.filters["tojson"] = _tojson
-            self._template = env.from_string(chat_template)
+            self._template = chat.compile_template(chat_template)
         # Byte-level BPE stores each byte as one printable character; invert that map to
         # report a token's exact bytes (a token may hold part of a UTF-8 character).
         self._byte_of: dict[str, int] | None = None
@@ -158,6 +126,21 @@ class TokenizerAssets:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decoder(self, keep: tuple[str, ...]) -> Callable[[list[int]], str]:
+        """`decode`, but the special tokens whose text is in `keep` stay in the text (a tool or
+        reasoning parser's tags: mistral's `[TOOL_CALLS]`). vLLM turns skip_special_tokens off for
+        such parsers; dropping every other special token keeps the end-of-turn token out, as
+        vLLM's detokenizer leaves the stop token out."""
+        special = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        drop = frozenset(i for i, text in special.items() if text not in keep)
+        if len(drop) == len(special):
+            return self.decode
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+
+        return decode
+
     def max_prompt_bytes(self, max_model_len: int) -> int | None:
         """A text longer than this (UTF-8 bytes) cannot fit in max_model_len tokens; None: no sound bound.
 
@@ -167,17 +150,28 @@ class TokenizerAssets:
         """
         return None if self._bytes_per_token is None else max_model_len * self._bytes_per_token
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        if self._template is None:
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt `apply_chat_template(messages, tools=tools, add_generation_prompt=...,
+        continue_final_message=..., **template_kwargs)` renders (pipeserve/chat_template.py)."""
+        if self._template is None or self.chat_template is None:
             raise InvalidRequestError("messages", "this model has no chat template; use /v1/completions")
-        try:
-            return self._template.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=True, **self.special
-            )
-        except TemplateError as e:
-            raise InvalidRequestError("messages", str(e)) from None
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError("messages", f"chat template failed: {e}") from None
+        return chat.render(
+            self._template,
+            self.chat_template,
+            messages,
+            tools,
+            self.special,
+            add_generation_prompt,
+            continue_final_message,
+            template_kwargs,
+        )
 
     def _token_text(self, token_id: int) -> str:
         """The token as text; part of a UTF-8 character reads `bytes:\\xe4\\xbd` (as OpenAI does)."""

@@ -53,6 +53,8 @@ DEPLOYMENT_LIMITS = (
     "the prompt is empty",
     "is too large",
     "--tool-call-parser",  # tool_choice auto (the default with tools) on a server without a parser
+    "chat template failed",  # a chat_template_kwargs value the deployment's template cannot use
+    "does not appear in the prompt",  # continue_final_message with a template that drops the message
     # Cross-field rules of tool calling no JSON schema states (router/openapi_tools.py says them in words)
     "needs a non-empty tools list",  # any tool_choice but none
     "names no function in tools",

@@ -105,7 +105,7 @@ def test_the_parser_names_are_the_flags() -> None:
 def test_tool_call_parser_config_is_validated(qwen2_dir: Path) -> None:
     assert RouterConfig(model=str(qwen2_dir), tool_call_parser="hermes").tool_call_parser == "hermes"
     with pytest.raises(ConfigError, match="tool_call_parser"):
-        RouterConfig(model=str(qwen2_dir), tool_call_parser="mistral")
+        RouterConfig(model=str(qwen2_dir), tool_call_parser="pythonic")
 
 
 def _spec(**extra: object):

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors, fanout, structured
+from pipeserve.router.chat_output import ChatOutput
 from pipeserve.router.edge import (
     Admission,
     Slot,
@@ -162,7 +163,13 @@ class Router:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
                 lambda: self.tok.encode_prompt(
-                    self.tok.render_chat(req.messages, req.tools.tools),
+                    self.tok.render_chat(
+                        req.messages,
+                        req.tools.tools,
+                        req.chat_args.add_generation_prompt,
+                        req.chat_args.continue_final_message,
+                        req.chat_args.template_kwargs,
+                    ),
                     req.add_special_tokens,
                     max_len,
                     "messages",
@@ -178,8 +185,11 @@ class Router:
                 req.return_token_ids,
                 prompt_logprobs=req.params.prompt_logprobs,
             )
+            tools = None
             if req.tools.choice != "none":
-                fmt.tools = ToolCallOutput(req.tools, self.config.tool_call_parser)
+                tools = ToolCallOutput(req.tools, self.config.tool_call_parser)
+            if tools is not None or self.config.reasoning_parser is not None:
+                fmt.output = ChatOutput(tools, self.config.reasoning_parser, req.chat_args.template_kwargs)
             try:
                 return await self._generate(
                     request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival, req.n, req.n
@@ -225,8 +235,10 @@ class Router:
         echoed: list[str] | None = None,
         drop_output: bool = False,
     ) -> Response:
+        # The parsers' tags survive detokenization even where the tokenizer marks them special.
+        decode = self.tok.decoder(fmt.output.tags) if fmt.output is not None else self.tok.decode
         families = [
-            self._family(i, ids, p, n, best_of, fmt.id, arrival)
+            self._family(i, ids, p, n, best_of, fmt.id, arrival, decode)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
         for i, family in enumerate(families):  # echo (router/echo.py): the prompt side of each choice
@@ -254,15 +266,23 @@ class Router:
         return SSEResponse(self._sse(gen, fmt, include_usage), cleanup)
 
     def _family(
-        self, i: int, ids: list[int], p: SamplingParams, n: int, best_of: int, rid: str, arrival: float
+        self,
+        i: int,
+        ids: list[int],
+        p: SamplingParams,
+        n: int,
+        best_of: int,
+        rid: str,
+        arrival: float,
+        decode: Callable[[list[int]], str],
     ) -> list[Choice]:
         """Prompt i's best_of candidates (router/fanout.py); the only one is `<rid>-<i>` when n = 1."""
         if best_of == 1:
-            return [Choice(self.upstream, self.tok, i, ids, p, f"{rid}-{i}", arrival)]
+            return [Choice(self.upstream, decode, i, ids, p, f"{rid}-{i}", arrival)]
         family = []
         for j in range(best_of):
             cp = fanout.candidate_params(p, j, best_of, n)
-            c = Choice(self.upstream, self.tok, i * n + j, ids, cp, f"{rid}-{i}-{j}", arrival)
+            c = Choice(self.upstream, decode, i * n + j, ids, cp, f"{rid}-{i}-{j}", arrival)
             c.counts_prompt = j == 0
             family.append(c)
         return family

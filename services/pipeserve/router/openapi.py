@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from pipeserve.router import openapi_tools
+from pipeserve.router import openapi_chat, openapi_tools
 from pipeserve.router.openapi_structured import structured_properties
 from pipeserve.router.protocol import MAX_N, PER_ENDPOINT  # each endpoint documents these its own way
 from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS, SamplingField
@@ -235,12 +235,14 @@ def chat_request() -> dict:
             {"type": "array", "maxItems": 0, "description": "legacy function calling is not supported"}
         ),
         "function_call": _only("none", "string", "legacy function calling is not supported"),
+        **openapi_chat.PROPERTIES,
     }
     top_logprobs_need_logprobs = {
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     }
-    return _request(["messages"], props, {"allOf": [_STREAM_OPTIONS_NEED_STREAM, top_logprobs_need_logprobs]})
+    rules = [_STREAM_OPTIONS_NEED_STREAM, top_logprobs_need_logprobs, *openapi_chat.RULES]
+    return _request(["messages"], props, {"allOf": rules})
 
 
 # --- responses ------------------------------------------------------------------
@@ -307,6 +309,12 @@ def _choice(body: dict) -> dict:
     }
 
 
+def _chat_message() -> dict:
+    message: dict[str, Any] = openapi_tools.RESPONSE_MESSAGE
+    properties = {**message["properties"], "reasoning_content": openapi_chat.REASONING_CONTENT}
+    return {**message, "properties": properties}
+
+
 # One server-sent event: `data` is a JSON chunk (or an error object), the last one `[DONE]`.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
@@ -341,6 +349,6 @@ CHAT = _operation(
     chat_request(),
     _response(
         "chat.completion",
-        _choice({"message": openapi_tools.RESPONSE_MESSAGE}),
+        _choice({"message": _chat_message()}),
     ),
 )

@@ -31,6 +31,8 @@ field the client sent). Rules:
 * Chat's tools, tool_choice, parallel_tool_calls and the tool fields of
   messages are read by router/tools.py (`ChatRequest.tools`); a forced
   tool choice sets the body's `guided_json` before sampling is read.
+  chat_template_kwargs, add_generation_prompt and continue_final_message
+  are read by router/chat_args.py (`ChatRequest.chat_args`).
 * Structured outputs (`response_format`, vLLM's `guided_*` and
   `structured_outputs`) are read by router/structured.py into the
   `structured*` sampling fields.
@@ -46,11 +48,12 @@ field the client sent). Rules:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.router import errors
+from pipeserve.router.chat_args import ChatArgs, parse_chat_args
 from pipeserve.router.structured import StructuredSpec, parse_structured, sampling_fields
 from pipeserve.router.tools import NO_TOOLS, ToolsSpec, forced_schema, message_fields, parse_tools
 from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
@@ -232,6 +235,8 @@ class ChatRequest:
     structured: StructuredSpec | None = None  # router/structured.py
     n: int = 1
     best_of: int = 1
+    # chat_template_kwargs, add_generation_prompt, continue_final_message (router/chat_args.py)
+    chat_args: ChatArgs = field(default_factory=ChatArgs)
 
 
 def _sampling(
@@ -415,4 +420,5 @@ def parse_chat(body: Any) -> ChatRequest:
         tools,
         structured,
         n=_n(body),
+        chat_args=parse_chat_args(body),
     )

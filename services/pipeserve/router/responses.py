@@ -9,8 +9,9 @@ blocking response of the same request carry the same id, `created` and model:
   choice has `delta.role = "assistant"`; logprobs as {content: [{token,
   logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
 * the usage chunk (stream_options.include_usage) has `choices: []`.
-* chat with tools (`Formatter.tools`, router/tools.py): messages and deltas
-  carry `tool_calls`; a chunk whose text the parser holds back is not sent.
+* chat with tools or a reasoning parser (`Formatter.output`, router/chat_output.py):
+  messages and deltas carry `reasoning_content` and `tool_calls`; a chunk whose
+  text the parsers hold back is not sent.
 Logprobs that are not finite are sent as -9999.0 (JSON has no -inf).
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.router import echo as prompt_side
-from pipeserve.router.tools import ToolCallOutput
+from pipeserve.router.chat_output import ChatOutput
 from pipeserve.tokenizer import TokenizerAssets
 
 MIN_LOGPROB = -9999.0
@@ -101,7 +102,7 @@ class Formatter:
         self.tok = tok
         self.logprobs = logprobs
         self.created = int(time.time())
-        self.tools: ToolCallOutput | None = None  # chat with tool_choice other than none
+        self.output: ChatOutput | None = None  # chat with tools to parse or a reasoning parser
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -200,8 +201,8 @@ class Formatter:
     ) -> dict | None:
         ids: dict[str, list[int]] = {"token_ids": token_ids or []} if self.return_token_ids else {}
         if self.chat:
-            if self.tools is not None:
-                delta, finish_reason = self.tools.delta(index, text, finish_reason)
+            if self.output is not None:
+                delta, finish_reason = self.output.delta(index, text, finish_reason)
                 if not delta and finish_reason is None and not tokens and not (ids and token_ids):
                     return None
             else:
@@ -224,8 +225,8 @@ class Formatter:
             finish = r.finish_reason
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": r.text}
-                if self.tools is not None:
-                    message, finish = self.tools.message(r.text, finish)
+                if self.output is not None:
+                    message, finish = self.output.message(r.text, finish)
                 choice = {"index": r.index, "message": message, "logprobs": self._logprobs(r.tokens)}
             else:
                 choice = self._completion_choice(r)

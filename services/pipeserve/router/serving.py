@@ -1,7 +1,8 @@
 """One generation request: its choices, their upstream streams, and how they end.
 
 A `Choice` is one prompt: an upstream Generate stream (opened with the retry
-rule), fed token by token through a TextStream (detokenizer + stop strings).
+rule), fed token by token through a TextStream (detokenizer + stop strings;
+`decode` is the tokenizer's, keeping the tags a chat parser reads).
 A stop string ends the choice at the token that completed it and cancels the
 upstream call at once (stage 0 aborts the request and frees its blocks).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pipeserve.detokenize import TextStream
@@ -33,7 +34,6 @@ from pipeserve.router.upstream import GenerateStream, Upstream, UpstreamFailure
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc.convert import sampling_to_proto
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.tokenizer import TokenizerAssets
 
 log = logging.getLogger("pipeserve.router")
 
@@ -50,7 +50,7 @@ class Choice:
     def __init__(
         self,
         upstream: Upstream,
-        tok: TokenizerAssets,
+        decode: Callable[[list[int]], str],
         index: int,
         prompt_ids: list[int],
         params: SamplingParams,
@@ -64,7 +64,7 @@ class Choice:
         self.request_id = request_id
         self.arrival = arrival
         self.keep_logprobs = params.logprobs is not None
-        self.text = TextStream(tok.decode, params.stop, params.min_tokens)
+        self.text = TextStream(decode, params.stop, params.min_tokens)
         self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids), prompt_token_ids=list(prompt_ids))
         self._stream: GenerateStream | None = None
         self._first: pb.GenerateResponse | None = None

@@ -17,10 +17,11 @@ Request (`parse_tools(body)`, a 400 naming the exact field on anything ill-forme
 Messages (`message_fields`): an assistant's `tool_calls` reach the template with each
 `function.arguments` JSON string decoded to an object (vLLM, and transformers' convention); a
 `tool` message needs its `tool_call_id`.
-Responses (`ToolCallOutput`): `message.tool_calls` (`call_<hex>` ids, arguments as a JSON
-string), `content` null when only calls were made, `finish_reason` `tool_calls` when a call was
-made under auto/required (a named function keeps the engine's reason, as vLLM); streamed, each
-call's first delta entry carries index, id, type and name, then argument pieces follow.
+Responses (`ToolCallOutput`): `message.tool_calls` (`call_<hex>` ids, or the parser's form:
+mistral's 9 alphanumerics; arguments as a JSON string), `content` null when only calls were
+made, `finish_reason` `tool_calls` when a call was made under auto/required (a named function
+keeps the engine's reason, as vLLM); streamed, each call's first delta entry carries index, id,
+type and name, then argument pieces follow.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ def _given(body: dict, key: str) -> Any:
     return body.get(key)  # JSON null means not given
 
 
-def _check_strings(value: Any, param: str) -> None:
+def check_strings(value: Any, param: str) -> None:
     """Every text the template may write must be valid Unicode (a lone surrogate cannot be encoded)."""
     if isinstance(value, str):
         errors_at = _surrogate(value)
@@ -77,11 +77,11 @@ def _check_strings(value: Any, param: str) -> None:
             raise errors.invalid(param, f"contains a lone surrogate at character {errors_at}")
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_strings(k, param)
-            _check_strings(v, param)
+            check_strings(k, param)
+            check_strings(v, param)
     elif isinstance(value, list):
         for v in value:
-            _check_strings(v, param)
+            check_strings(v, param)
 
 
 def _surrogate(text: str) -> int | None:
@@ -114,7 +114,7 @@ def _tool(i: int, tool: Any, seen: set[str]) -> dict:
             raise errors.invalid(f"{param}.function.{key}", f"must be {what}")
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
         raise errors.invalid(f"{param}.function.strict", "must be a boolean")
-    _check_strings(tool, param)
+    check_strings(tool, param)
     return tool
 
 
@@ -240,14 +240,10 @@ def message_fields(param: str, m: dict) -> dict:
             args = {}
         elif not isinstance(args, dict | list):
             raise errors.invalid(f"{where}.function.arguments", "must be a JSON string")
-        _check_strings(call, where)
+        check_strings(call, where)
         decoded.append({**call, "function": {**fn, "arguments": args}})
     out["tool_calls"] = decoded
     return out
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallOutput:
@@ -257,6 +253,10 @@ class ToolCallOutput:
         self.spec = spec
         self.parser = parser
         self._streams: dict[int, ToolParser] = {}
+        # Ids in the deployment parser's form, forced calls' too: they come back in the conversation,
+        # and a family's template may refuse another form (mistral's: 9 alphanumerics).
+        self.new_id = (PARSERS[parser] if parser is not None else ToolParser).new_id
+        self.tags = PARSERS[parser].tags if parser is not None and spec.choice == "auto" else ()
 
     def _new(self) -> ToolParser:
         if self.spec.choice == "function":
@@ -293,7 +293,7 @@ class ToolCallOutput:
         for e in self._kept(events):
             if isinstance(e, CallStart):
                 fn = {"name": e.name, "arguments": ""}
-                entries.append({"index": e.index, "id": new_call_id(), "type": "function", "function": fn})
+                entries.append({"index": e.index, "id": self.new_id(), "type": "function", "function": fn})
             elif isinstance(e, CallArgs):
                 if entries and entries[-1]["index"] == e.index:
                     entries[-1]["function"]["arguments"] += e.text
@@ -312,7 +312,7 @@ class ToolCallOutput:
         for e in events:
             if isinstance(e, CallStart):
                 fn = {"name": e.name, "arguments": ""}
-                calls.append({"id": new_call_id(), "type": "function", "function": fn})
+                calls.append({"id": self.new_id(), "type": "function", "function": fn})
             elif isinstance(e, CallArgs):
                 calls[e.index]["function"]["arguments"] += e.text
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}

@@ -7,16 +7,16 @@ config.TOOL_CALL_PARSERS (the flag's choices; config.py cannot import the router
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from pipeserve.router.tool_parsers.base import CallArgs, CallStart, Event, Text, ToolParser, merge
 from pipeserve.router.tool_parsers.forced import NamedParser, RequiredParser
 from pipeserve.router.tool_parsers.hermes import HermesParser
 from pipeserve.router.tool_parsers.llama3_json import Llama3JsonParser
+from pipeserve.router.tool_parsers.mistral import MistralParser
 
-PARSERS: dict[str, Callable[[], ToolParser]] = {
+PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
 }
 
 __all__ = [

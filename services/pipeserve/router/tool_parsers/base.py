@@ -12,6 +12,7 @@ any split of the text, merged (`merge`), equal those of one push.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 
@@ -79,6 +80,14 @@ class EventSink:
 
 class ToolParser:
     """Base of the incremental parsers: subclasses implement `_feed(c)` and `_end()`."""
+
+    # Tags the parser reads that a tokenizer may mark special: the detokenizer keeps them.
+    tags: tuple[str, ...] = ()
+
+    @staticmethod
+    def new_id() -> str:
+        """A call's id, as the model's family wants it (OpenAI's `call_<hex>` form by default)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def __init__(self) -> None:
         self.out = EventSink()

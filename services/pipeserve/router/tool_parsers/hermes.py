@@ -24,6 +24,8 @@ _TEXT, _BLOCK, _SKIP, _PASS = range(4)
 
 
 class HermesParser(ToolParser):
+    tags = (START, END)  # added tokens, not special, in Qwen's tokenizers: kept in case one marks them
+
     def __init__(self) -> None:
         super().__init__()
         self.mode = _TEXT
