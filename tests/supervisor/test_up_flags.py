@@ -29,6 +29,7 @@ SPECIAL = {
     "api_key": "sk-test",
     "chat_template": "{{ messages[0]['content'] }}",
     "tool_call_parser": "hermes",
+    "generation_config": "vllm",
     "host": "127.0.0.2",
     "port": 8123,
     "served_model_name": "served-name",

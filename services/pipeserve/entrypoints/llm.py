@@ -10,7 +10,9 @@ special tokens (its post-processor's BOS), as transformers' `tokenizer(text)`.
 Output is detokenized incrementally by the router's TextStream (one token at
 a time, linear in the output): a stop string finishes the request at the
 step that completed it, and it and what follows are trimmed from the text.
-`max_tokens=None` generates up to the context.
+`max_tokens=None` generates up to the context. `generate(prompts)` without SamplingParams samples
+with the model's defaults (its generation_config.json, request_defaults.py) over SamplingParams()'s,
+as vLLM's LLM does; `generation_config="vllm"` leaves the model's out.
 
 With stages=S > 1 this process is stage 0 (scheduler, embedding, first
 layers) and S-1 stage processes are started for the rest of the model; they
@@ -22,6 +24,7 @@ the group stops on an error (then generate() raises GroupStopped).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,20 +39,28 @@ from pipeserve.local.launcher import LocalGroup, local_group_config
 from pipeserve.local.redis_server import LocalRedis
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
+from pipeserve.request_defaults import load_defaults
 from pipeserve.ring.build import layer_split
 from pipeserve.sampling_params import SamplingParams, resolve_max_tokens
 from pipeserve.stage.factory import build_engine
 from pipeserve.tokenizer import TokenizerAssets
 
 Prompt = str | list[int]
+log = logging.getLogger("pipeserve.llm")
 
 
 class LLM:
-    def __init__(self, model: str, stages: int = 1, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str, stages: int = 1, generation_config: str = "auto", **engine_args: Any
+    ) -> None:
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
         config = EngineConfig(model=model, stages=stages, **engine_args)
+        # RouterConfig.generation_config's modes; checked (and the file read) before any process starts
+        self.defaults = load_defaults(model, generation_config)
+        if self.defaults.values:
+            log.info("%s", self.defaults.describe())
         self.group: LocalGroup | None = None
         self.redis: LocalRedis | None = None
         if config.hicache_url == "local":  # a private redis-server for this LLM's L3
@@ -71,6 +82,11 @@ class LLM:
         self._finalizer = weakref.finalize(self, _shutdown, self.engine, self.group, self.redis)
         has_tokenizer = (Path(model) / "tokenizer.json").is_file()
         self.tok: TokenizerAssets | None = TokenizerAssets.load(model) if has_tokenizer else None
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's defaults over
+        SamplingParams()'s (vLLM's get_default_sampling_params)."""
+        return self.defaults.sampling_params()
 
     def shutdown(self) -> None:
         """Stop the stage processes (no-op with one stage); idempotent."""
@@ -110,7 +126,7 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         params = (
             [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)

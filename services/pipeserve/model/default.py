@@ -3,9 +3,9 @@
 `default_model()` returns an HF-layout checkpoint directory,
 `$PIPESERVE_HOME/smollm2-135m-instruct-c<converter version>` (PIPESERVE_HOME defaults to
 ~/.cache/pipeserve), converting the packaged GGUF into it on first use
-(`convert_gguf`, atomic: a temporary directory renamed into place, so a
-directory that exists is complete; two processes converting at once both end
-with the same complete checkpoint).
+(`convert_once`, shared with model/gguf_cache.py; atomic: a temporary directory renamed into
+place, so a directory that exists is complete; two processes converting at once
+both end with the same complete checkpoint).
 
 The package is installed by the project's set-up with `--no-deps`: it is a
 plugin of the `llm` CLI and declares `llm` and `llama-cpp-python` (a C++ build)
@@ -35,7 +35,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # model's cache directory is named after it, so a checkpoint an older converter wrote is never served
 # again. Kept here, not in gguf.py: `up` reads it on every start, and gguf.py imports torch (~1 s).
 # 2: quantized.safetensors (the file's Q4_0/Q4_1/Q8_0 blocks, model/gguf_blocks.py) is written too.
-CONVERTER_VERSION = 2
+# 3: generation_config.json carries the file's sampling metadata (the request defaults).
+# The cache of GGUF files given as --model (model/gguf_cache.py) is keyed by it too.
+CONVERTER_VERSION = 3
 
 
 def pipeserve_home() -> Path:
@@ -62,16 +64,22 @@ def default_model(home: Path | None = None) -> Path:
     out = (home or pipeserve_home()) / f"smollm2-135m-instruct-c{CONVERTER_VERSION}"
     if (out / "config.json").is_file():
         return out
+    return convert_once(smollm2_gguf(), out)
+
+
+def convert_once(src: Path, out: Path, progress_s: float = 2.0) -> Path:
+    """`out`, converted from the GGUF file `src` unless a complete conversion is there already."""
+    if (out / "config.json").is_file():
+        return out
     from pipeserve.model.gguf import convert_gguf  # only to convert: it imports torch
 
-    src = smollm2_gguf()
     log.info("converting %s into %s (once)", src, out)
     start = time.monotonic()
     try:
-        convert_gguf(src, out)
+        convert_gguf(src, out, progress_s=progress_s)
     except (ModelLoadError, OSError):
         if (out / "config.json").is_file():  # another process converted it meanwhile
             return out
         raise
-    log.info("converted %s in %.1fs", DEFAULT_MODEL_NAME, time.monotonic() - start)
+    log.info("converted %s in %.1fs", src.name, time.monotonic() - start)
     return out

@@ -19,6 +19,12 @@ Contract:
   so the result is the HF layout the engine and transformers expect.
 * Every GGUF tensor maps to an HF name, or conversion fails naming it (nothing
   is silently dropped). No `output.weight` means tied embeddings.
+* The file's sampling metadata (llama.cpp's `general.sampling.*`, what its converter writes from
+  generation_config.json) goes back into generation_config.json under HF's names, where the router
+  takes request defaults from (request_defaults.py). llama.cpp applies penalty_repeat over the last
+  penalty_last_n tokens; HF's repetition_penalty, which it becomes, over the whole sequence.
+* `progress_s`: the dequantization's progress (bytes of the file's tensors) as a bar on a terminal,
+  else a log line every progress_s seconds (obs/progress.py).
 * DST is written atomically: into a temporary sibling directory that is
   renamed onto DST at the end, so a crash never leaves a half checkpoint.
   An existing non-empty DST is refused.
@@ -27,6 +33,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,6 +45,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeserve.errors import ModelLoadError
+from pipeserve.obs.progress import Progress
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -59,6 +67,15 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# llama.cpp's sampling metadata (gguf-py's Keys.General.SAMPLING_*) -> generation_config.json's key
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+log = logging.getLogger("pipeserve.model")
 
 
 def open_gguf(path: str | Path):  # -> gguf.GGUFReader (imported lazily: only conversion needs it)
@@ -145,6 +162,9 @@ def hf_config(meta: dict, has_output: bool) -> tuple[dict, dict]:
         for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad))
         if v is not None
     }
+    for key, name in SAMPLING_KEYS.items():
+        if meta.get(key) is not None:
+            gen[name] = int(meta[key]) if name == "top_k" else _f32(meta[key])
     return config, gen
 
 
@@ -183,7 +203,7 @@ def dequantized(tensor) -> np.ndarray:
     return np.array(data, dtype=np.float32, copy=not data.flags.writeable or None).reshape(shape)
 
 
-def hf_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
+def hf_tensors(reader, config: dict, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the file under its HF name, float32, q/k in HF row order."""
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -194,6 +214,8 @@ def hf_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
         elif name.endswith("self_attn.k_proj.weight"):
             w = unpermute_rows(w, config["num_key_value_heads"])
         out[name] = w
+        if progress is not None:
+            progress.update(int(t.n_bytes))
     return out
 
 
@@ -216,7 +238,7 @@ def hf_blocks(reader, config: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def convert_gguf(src: str | Path, dst: str | Path) -> Path:
+def convert_gguf(src: str | Path, dst: str | Path, progress_s: float | None = None) -> Path:
     """Write the HF checkpoint of the GGUF file `src` into the new directory `dst` (atomically)."""
     from pipeserve.model.gguf_blocks import BLOCK, BLOCKS_FILE, FORMAT
     from pipeserve.model.gguf_tokenizer import write_tokenizer_files
@@ -228,7 +250,12 @@ def convert_gguf(src: str | Path, dst: str | Path) -> Path:
     meta = metadata(reader)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config, gen = hf_config(meta, has_output)
-    tensors = hf_tensors(reader, config)
+    if progress_s is None:
+        tensors = hf_tensors(reader, config)
+    else:
+        total = sum(int(t.n_bytes) for t in reader.tensors)
+        with Progress(f"converting {Path(src).name}", total, log, interval_s=progress_s) as progress:
+            tensors = hf_tensors(reader, config, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed conversion with this pid

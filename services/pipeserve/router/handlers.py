@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
+from pipeserve.request_defaults import load_defaults
 from pipeserve.router import errors, fanout, structured
 from pipeserve.router.chat_output import ChatOutput
 from pipeserve.router.edge import (
@@ -67,6 +68,10 @@ class Router:
         self.replicas = replicas
         self.registry = registry
         self.tok = TokenizerAssets.load(config.model, config.chat_template)
+        # Sampling defaults of the model (its generation_config.json), said once at start-up.
+        self.defaults = load_defaults(config.model, config.generation_config)
+        if self.defaults.values:
+            log.info("%s: %s", config.model_name, self.defaults.describe())
         # Tokenization and chat rendering run here, off the event loop (encode releases the GIL).
         self.tok_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="pipeserve-tokenize")
         self.metrics = RouterMetrics(registry)
@@ -97,7 +102,7 @@ class Router:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_auth(request)
-        req = parse_completion(await self.read_json(request))
+        req = parse_completion(await self.read_json(request), self.defaults)
         self.check_model(req.model)
         param = "best_of" if req.best_of > 1 else "prompt"
         slot = self.admission.acquire(len(req.prompts) * req.best_of, param)
@@ -123,7 +128,10 @@ class Router:
                 req.params.logprobs or 0,
             )
             params = [
-                self._resolve(x, req.params, "prompt", req.max_tokens_param, max_len, vocab) for x in ids
+                self._resolve(
+                    x, req.params, "prompt", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
+                )
+                for x in ids
             ]
             echoed = None
             if req.echo:
@@ -155,7 +163,7 @@ class Router:
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_auth(request)
-        req = parse_chat(await self.read_json(request))
+        req = parse_chat(await self.read_json(request), self.defaults)
         self.check_model(req.model)
         check_parser(req.tools, self.config.tool_call_parser)
         slot = self.admission.acquire(req.n, "n")
@@ -175,7 +183,9 @@ class Router:
                     "messages",
                 )
             )
-            params = self._resolve(ids, req.params, "messages", req.max_tokens_param, max_len, vocab)
+            params = self._resolve(
+                ids, req.params, "messages", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
+            )
             fmt = Formatter(
                 True,
                 f"chatcmpl-{uuid.uuid4().hex}",
@@ -210,12 +220,21 @@ class Router:
 
     @staticmethod
     def _resolve(
-        ids: list[int], params: SamplingParams, param: str, max_param: str, max_len: int, vocab: int
+        ids: list[int],
+        params: SamplingParams,
+        param: str,
+        max_param: str,
+        max_len: int,
+        vocab: int,
+        model_max: bool = False,
     ) -> SamplingParams:
-        """The prompt checked and max_tokens resolved against it (a 400 beyond the context, as vLLM)."""
+        """The prompt checked and max_tokens resolved against it (a 400 beyond the context, as vLLM);
+        `model_max`: max_tokens is the model's default, cut to what the context leaves instead."""
         try:
             check_prompt(ids, params, max_len, vocab, param)
-            max_tokens = resolve_max_tokens(params, len(ids), max_len, strict=True, param=max_param)
+            max_tokens = resolve_max_tokens(params, len(ids), max_len, strict=not model_max, param=max_param)
+            if model_max:
+                max_tokens = min(max_tokens, max(1, max_len - len(ids)))
         except InvalidRequestError as e:
             raise errors.from_invalid_request(e) from None
         return dataclasses.replace(params, max_tokens=max_tokens)

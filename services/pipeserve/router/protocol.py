@@ -36,6 +36,9 @@ field the client sent). Rules:
 * Structured outputs (`response_format`, vLLM's `guided_*` and
   `structured_outputs`) are read by router/structured.py into the
   `structured*` sampling fields.
+* A sampling field the body leaves unset takes the model's default (request_defaults.py, from its
+  generation_config.json) before the endpoint's own; `max_tokens_from_model` marks a max_tokens that
+  came from the model, which the context cuts instead of refusing.
 * `add_special_tokens` (vLLM's extension) is true by default for
   completions (the tokenizer's BOS, as `tokenizer(text)`), false for chat
   (the template writes it).
@@ -52,6 +55,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 from pipeserve.errors import InvalidRequestError
+from pipeserve.request_defaults import NO_DEFAULTS, RequestDefaults
 from pipeserve.router import errors
 from pipeserve.router.chat_args import ChatArgs, parse_chat_args
 from pipeserve.router.structured import StructuredSpec, parse_structured, sampling_fields
@@ -219,6 +223,7 @@ class CompletionRequest:
     echo: bool = False  # the prompt first in each choice (router/echo.py)
     max_tokens_zero: bool = False  # echo with max_tokens 0: one token is asked and dropped
     prompt_logprobs: int | None = None  # as the client asked (echo + logprobs asks stage 0 for more)
+    max_tokens_from_model: bool = False  # the model's default: cut to the context, never refused
 
 
 @dataclass
@@ -237,6 +242,7 @@ class ChatRequest:
     best_of: int = 1
     # chat_template_kwargs, add_generation_prompt, continue_final_message (router/chat_args.py)
     chat_args: ChatArgs = field(default_factory=ChatArgs)
+    max_tokens_from_model: bool = False  # the model's default: cut to the context, never refused
 
 
 def _sampling(
@@ -245,8 +251,11 @@ def _sampling(
     max_tokens_param: str,
     logprobs: int | None,
     structured: StructuredSpec | None = None,
+    defaults: RequestDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
-    values = {name: read(body, name, default) for name, read, default in _SAMPLING_FIELDS}
+    values = {
+        name: read(body, name, defaults.value(name, default)) for name, read, default in _SAMPLING_FIELDS
+    }
     values.update(sampling_fields(structured))
     try:
         return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
@@ -310,7 +319,7 @@ def _prompts(prompt: Any) -> list[str | list[int]] | None:
     return None if None in prompts else prompts  # type: ignore[return-value]
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> CompletionRequest:
     body = _object(body)
     prompt = _get(body, "prompt")
     if prompt is _MISSING:
@@ -328,10 +337,13 @@ def parse_completion(body: Any) -> CompletionRequest:
     if suffix is not _MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
     structured = parse_structured(body)
-    max_tokens = _int(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    max_tokens = _int(body, "max_tokens", defaults.value("max_tokens", DEFAULT_MAX_TOKENS))
+    from_model = _get(body, "max_tokens") is _MISSING and defaults.from_model(
+        "max_tokens", DEFAULT_MAX_TOKENS
+    )
     zero = echo and max_tokens == 0  # the prompt scored alone (vLLM): one token asked, then dropped
     logprobs = _int(body, "logprobs", None)
-    params = _sampling(body, 1 if zero else max_tokens, "max_tokens", logprobs, structured)
+    params = _sampling(body, 1 if zero else max_tokens, "max_tokens", logprobs, structured, defaults)
     asked_prompt_logprobs = params.prompt_logprobs
     if echo and logprobs is not None:  # the echoed tokens' logprobs come from the prompt's scores
         params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, logprobs))
@@ -351,6 +363,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         echo=echo,
         max_tokens_zero=zero,
         prompt_logprobs=asked_prompt_logprobs,
+        max_tokens_from_model=from_model,
     )
 
 
@@ -386,7 +399,7 @@ def _message(i: int, m: Any) -> dict:
     return out
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ChatRequest:
     body = _object(body)
     messages = _get(body, "messages")
     if not isinstance(messages, list) or not messages:
@@ -395,7 +408,8 @@ def parse_chat(body: Any) -> ChatRequest:
     max_param = (
         "max_completion_tokens" if _get(body, "max_completion_tokens") is not _MISSING else "max_tokens"
     )
-    max_tokens = _int(body, max_param, None)
+    max_tokens = _int(body, max_param, defaults.value("max_tokens", None))
+    from_model = _get(body, max_param) is _MISSING and defaults.from_model("max_tokens", None)
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None)
     if top is not None and not want_logprobs:
@@ -406,7 +420,9 @@ def parse_chat(body: Any) -> ChatRequest:
     if (schema := forced_schema(tools)) is not None:  # enforced through guided_json, as vLLM
         body = {**body, "guided_json": schema}
     structured = parse_structured(body)
-    params = _sampling(body, max_tokens, max_param, (top or 0) if want_logprobs else None, structured)
+    params = _sampling(
+        body, max_tokens, max_param, (top or 0) if want_logprobs else None, structured, defaults
+    )
     stream, include_usage = _stream_fields(body)
     return ChatRequest(
         _model(body),
@@ -421,4 +437,5 @@ def parse_chat(body: Any) -> ChatRequest:
         structured,
         n=_n(body),
         chat_args=parse_chat_args(body),
+        max_tokens_from_model=from_model,
     )

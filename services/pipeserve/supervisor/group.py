@@ -18,6 +18,7 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipeserve.care.restarts import GroupRecord, StageObservation, StageState
 from pipeserve.config import EngineConfig, StageServeConfig, config_argv
@@ -79,13 +80,18 @@ class GroupSlot:
             )
             return config_argv(serve, skip=set())
 
-        group.start(
-            range(self.config.stages), argv, log_name=f"{self.name}-stage-{{}}.log".format, group=self.name
-        )
+        group.start(range(self.config.stages), argv, log_name=self.log_name, group=self.name)
         self.group = group
         self.generation = self.record.generation  # stamped on this incarnation's processes
         self.started_at = time.monotonic()
         self.probe_failures = {}
+
+    def log_name(self, rank: int) -> str:
+        return f"{self.name}-stage-{rank}.log"
+
+    def log_file(self, rank: int) -> Path | None:
+        """Where stage `rank` logs: a file of --log-dir, or None (the supervisor's own stderr)."""
+        return Path(self.config.log_dir) / self.log_name(rank) if self.config.log_dir else None
 
     def exited(self) -> dict[int, int]:
         """rank -> exit status of this incarnation's stages that have exited."""

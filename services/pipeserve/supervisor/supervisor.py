@@ -84,6 +84,16 @@ def restart_cause(obs: GroupObservation, phase: GroupPhase) -> str:
     return "startup_deadline" if phase is not GroupPhase.READY else "exited"
 
 
+def _where_its_output_is(slot: GroupSlot) -> str:
+    """Where a failed group's stages wrote their error: their log files with --log-dir, else this
+    process's own stderr (a stage inherits it), never a log that does not exist."""
+    ranks = sorted(slot.exited()) or list(range(slot.config.stages))
+    files = [str(f) for r in ranks if (f := slot.log_file(r)) is not None]
+    if files:
+        return f"see {', '.join(files)}"
+    return "the stage's error is in the output above; --log-dir DIR keeps each stage's log in DIR"
+
+
 class Supervisor:
     def __init__(
         self,
@@ -175,8 +185,9 @@ class Supervisor:
             await self._stop_failed(slot, d.reason, d.delay_s, restart_cause(obs, phase))
         elif d.action is Action.FAIL:
             self.on_down(slot.name, d.reason)
+            where = _where_its_output_is(slot)
             await asyncio.to_thread(slot.kill, self.config.kill_grace_s)
-            self.fatal = f"{slot.name}: {d.reason} (see its log)"
+            self.fatal = f"{slot.name}: {d.reason} ({where})"
             self.failed.set()
         elif d.phase is not phase:
             if d.phase is GroupPhase.READY:

@@ -6,7 +6,10 @@ router cannot stall it; its calls into the router go through
 `call_soon_threadsafe`); every stage is a child process (`pipeserve stage`) that exits
 on its own if this process dies (PIPESERVE_PARENT_PID), so no stage outlives
 it. Start-up prints one line, `pipeserve: serving <model> at http://H:P/v1`,
-once the router listens and every group is ready.
+once the router listens and every group is ready. Before anything starts (a stage, Redis, the
+router), `--model` is resolved and checked (model_path.py: a .gguf file converted once into
+the cache, the loader's own config parse in a child interpreter, the request defaults read), so a
+model that cannot be served is one line and ExitCode.CANNOT_START within seconds.
 
 SIGTERM / SIGINT drain: the router stops accepting connections and lets
 in-flight responses finish (drain_timeout_s), every stage 0 drains its
@@ -80,7 +83,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     add_config_args(u, StageServeConfig, skip=_UP_SERVE_FIXED)
     add_config_args(u, SupervisorConfig, skip=set(), prefix=SUPERVISOR_PREFIX)
     add_config_args(u, EngineConfig)
-    u.set_defaults(func=run_up)
+    u.set_defaults(func=run_up, quantization=None)  # None: model_path.default_quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +96,20 @@ class UpConfigs:
 
 
 def build_configs(args: argparse.Namespace) -> UpConfigs:
+    """Every config `up` runs with, and every check of them and of the model that can fail before
+    anything starts (`check_model`: reads the model; tests build configs without it)."""
     from pipeserve.local.launcher import local_group_config
-    from pipeserve.model.default import DEFAULT_MODEL_NAME, default_model
+    from pipeserve.model.default import DEFAULT_MODEL_NAME
+    from pipeserve.model_path import check_files, default_quantization, resolve_model
 
     if args.replicas < 1:
         raise ConfigError(f"replicas: must be >= 1 (got {args.replicas})")
-    model = args.model or str(default_model())
+    resolved = resolve_model(args.model)
+    check_files(resolved.dir, tokenizer=True)  # the stages need the checkpoint, the router its tokenizer
+    model = str(resolved.dir)
+    args.quantization = default_quantization(resolved, args.quantization)
+    if resolved.gguf is not None:
+        log.info("%s: served from %s with --quantization %s", resolved.gguf, model, args.quantization)
     name = args.served_model_name or (args.model or DEFAULT_MODEL_NAME)
     engine = config_from_args(EngineConfig, args, model=model, stages=args.stages)
     engine = dataclasses.replace(engine, log_dir=args.log_dir)
@@ -249,10 +260,21 @@ async def _serve_groups(
     return ExitCode.CANNOT_START if supervisor.fatal else ExitCode.OK
 
 
+def check_model(configs: UpConfigs) -> None:
+    """What only reading the model tells, before anything starts: the loader's config parse, the layer
+    split and max_model_len (in a child: `up` never imports torch), the request defaults' file."""
+    from pipeserve.model_path import check_config_in_child
+    from pipeserve.request_defaults import load_defaults
+
+    load_defaults(configs.router.model, configs.router.generation_config)
+    check_config_in_child(configs.engine)
+
+
 def run_up(args: argparse.Namespace) -> int:
     from pipeserve.obs.tracing import setup_tracing  # the stages inherit OTEL_* and PIPESERVE_TRACE_FILE
 
     configs = build_configs(args)
+    check_model(configs)
     traces = setup_tracing("pipeserve-router")
     try:
         return asyncio.run(serve_up(configs))
