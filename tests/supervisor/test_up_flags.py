@@ -30,6 +30,7 @@ SPECIAL = {
     "chat_template": "{{ messages[0]['content'] }}",
     "tool_call_parser": "hermes",
     "generation_config": "vllm",
+    "reasoning_parser": "qwen3",
     "host": "127.0.0.2",
     "port": 8123,
     "served_model_name": "served-name",

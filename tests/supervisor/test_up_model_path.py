@@ -33,13 +33,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import hf_greedy
 from gguf_support import write_llama_gguf
+from pipeserve import model_path
+from pipeserve.cli import build_parser, main
 from pipeserve.errors import ExitCode, ModelLoadError
+from pipeserve.model import gguf_blocks
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.demo import DemoSpec, write_demo_model
+from pipeserve.model.gguf import SAMPLING_KEYS
 from pipeserve.model.gguf_cache import cached_gguf
+from pipeserve.supervisor.up import build_configs
 from serving_support import running_up
 
 PROMPT = [5, 9, 14, 3, 27]
+Q8 = gguf.GGMLQuantizationType.Q8_0
 TOKENS = 6
 
 
@@ -197,3 +203,33 @@ def test_the_cache_key_is_the_files_content(
     assert torch.equal(ours, load_file(llama_dir / "model.safetensors")["model.embed_tokens.weight"])
     assert not torch.equal(ours, theirs)
     assert len(list((home / "gguf").glob("*-c*"))) == 2
+
+
+def test_stage_and_generate_check_the_model_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`stage` and `generate` say the same before a port, a rendezvous or a weight is touched."""
+    nope = str(tmp_path / "nope")
+    stage = ["stage", "--model", nope, "--rank", "0", "--world-size", "1", "--rendezvous-file", nope]
+    for argv in (stage, ["generate", "--model", nope, "--prompt", "x"]):
+        assert main(argv) == ExitCode.CANNOT_START
+        assert f"pipeserve: error: --model {nope}: does not exist" in capsys.readouterr().err
+
+
+def test_a_quantized_gguf_is_served_from_its_blocks_unless_asked(
+    tmp_path: Path, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp serves a file as it is quantized: with no --quantization, up serves the file's
+    blocks; an explicit --quantization (none included) wins; a checkpoint directory stays float."""
+    attention = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")  # rows of 32s
+    model = write_llama_gguf(
+        llama_dir, tmp_path / "q8.gguf", quant=lambda n: Q8 if n.endswith(attention) else None
+    )
+    monkeypatch.setenv("PIPESERVE_HOME", str(tmp_path / "home"))
+    for extra, want in (((), "gguf"), (("--quantization", "none"), "none")):
+        args = build_parser().parse_args(["up", "--model", str(model), *extra])
+        assert build_configs(args).engine.quantization == want
+    args = build_parser().parse_args(["up", "--model", str(llama_dir)])
+    assert build_configs(args).engine.quantization == "none"
+    assert model_path.BLOCKS_FILE == gguf_blocks.BLOCKS_FILE
+    general = gguf.Keys.General  # the keys llama.cpp writes, as gguf-py 0.19 names them
+    sampling = (general.SAMPLING_TEMP, general.SAMPLING_TOP_K, general.SAMPLING_TOP_P, general.SAMPLING_MIN_P)
+    assert set(SAMPLING_KEYS) == {*sampling, general.SAMPLING_PENALTY_REPEAT}
