@@ -93,7 +93,10 @@ def _only(value: Any, kind: str, what: str = "not supported") -> dict:
 def sampling_field(name: str) -> dict:
     """The schema of one sampling field: its JSON type, default, validated range and help."""
     spec = FIELDS[name]
-    help_text = {"description": spec.help} if spec.help else {}
+    text = spec.help
+    if spec.model_default:  # request_defaults.py: the model's value comes before `default`
+        text += f"; unset: the model's generation_config.json {spec.model_default} if it has one"
+    help_text = {"description": text} if text else {}
     schema = {**_TYPES[spec.type], **help_text, **bounds(spec), **_SHAPES.get(name, {})}
     if "items" in schema and "items" in _TYPES[spec.type]:
         schema["items"] = {**_TYPES[spec.type]["items"], **schema["items"]}
