@@ -77,8 +77,17 @@ def q4_k_m(hf: str) -> gguf.GGMLQuantizationType | None:
     return Q.Q4_K
 
 
+# Types pipeserve refuses (gguf_types.SERVED_TYPES lacks them): written as seeded bytes of their block
+# size, for files that must be refused by name.
+UNSERVED = (Q.Q2_K, Q.Q3_K, Q.IQ2_XS)
+
+
 def gguf_tensor(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """float32 [N, K] -> the array `GGUFWriter.add_tensor(..., raw_dtype=qtype)` stores."""
+    if qtype in UNSERVED:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = (a.shape[0], a.shape[1] // block * size)
+        return np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
     if qtype.name in gguf_quant.TYPES:
         return gguf_quant.quantize(a, qtype.name)
     if qtype == Q.F16:

@@ -101,8 +101,9 @@ def build(compiler: str, arch: str = NATIVE_ARCH) -> Path:
 FUSED_ROWS = 256
 
 
-# decode.c's projection kinds (Q4.kind).
-W_Q4, W_F32, W_Q8 = 0, 1, 2
+# decode.c's projection kinds (Q4.kind); W_CAT: parts of other kinds stacked by rows (`q` points at
+# `g` Q4 structs).
+W_Q4, W_F32, W_Q8, W_CAT = 0, 1, 2, 3
 # A dense float32 weight goes through dense.c up to this many rows (decode steps, short chunks);
 # above, torch's GEMM (MKL) is faster. Its K must be a multiple of F32_K_MULTIPLE (the kernel's unroll).
 F32_ROWS = 32
@@ -114,8 +115,8 @@ KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 class Q4(ctypes.Structure):
     """decode.c's Q4: one projection, a nibble-layout weight (kind W_Q4), a dense float32 one (W_F32:
-    `q` points at it, s and z are NULL) or Q8_0 blocks (W_Q8: int8 in `q`, float32 scales in `s`);
-    bias may be NULL."""
+    `q` points at it, s and z are NULL) or 8-bit blocks (W_Q8: int8 in `q`, float32 scales per `g`
+    (16 or 32; 0 means 32) in `s`, float32 mins per 32 or NULL in `z`); bias may be NULL."""
 
     _fields_ = [
         ("q", ctypes.c_void_p),
@@ -179,7 +180,7 @@ class Native:
         self._f32_matmul.argtypes = [p, i, i, p, i, p, p]
         self._f32_matmul.restype = None
         self._q8_matmul = lib.q8_matmul
-        self._q8_matmul.argtypes = [p, i, i, p, p, i, p, p]
+        self._q8_matmul.argtypes = [p, i, i, p, p, p, i, i, p, p]
         self._q8_matmul.restype = None
         self._decode_attention = lib.decode_attention
         self._decode_attention.argtypes = [p, ctypes.c_size_t, p, p, p, i, p, i, p, p]
@@ -259,17 +260,37 @@ class Native:
         return y
 
     def int8_linear(
-        self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        mins: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x float32 [M, K] @ W^T (+ bias) -> float32 [M, N]; W = q * d over Q8_0 blocks of 32:
-        qweight int8 [N, K], scales float32 [N, K/32], contiguous."""
+        """x float32 [M, K] @ W^T (+ bias) -> float32 [M, N]; W = q * d (+ m) over blocks: qweight
+        int8 [N, K], scales float32 [N, K/sub] with sub 32 (Q8_0) or 16 (Q6_K's form), mins None or
+        float32 [N, K/32]; contiguous."""
         m, k = x.shape
         n = qweight.shape[0]
+        sub = k // scales.shape[1]
+        if sub not in (16, 32) or scales.shape != (n, k // sub):
+            raise ValueError(f"int8_linear: scales {tuple(scales.shape)} are not per 16 or 32 of [{n}, {k}]")
+        if mins is not None and mins.shape != (n, k // 32):
+            raise ValueError(f"int8_linear: mins {tuple(mins.shape)} are not per 32 of [{n}, {k}]")
         x = x.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         self._threads()
         self._q8_matmul(
-            x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, _ptr(bias), y.data_ptr()
+            x.data_ptr(),
+            m,
+            k,
+            qweight.data_ptr(),
+            scales.data_ptr(),
+            _ptr(mins),
+            sub,
+            n,
+            _ptr(bias),
+            y.data_ptr(),
         )
         return y
 

@@ -5,13 +5,16 @@
 
 typedef struct {
     const uint8_t *q;      /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K]; W_Q8: int8 [N, K] */
-    const uint16_t *s, *z; /* W_Q4's scales and zeros; W_Q8: its float32 scales [N, K/32] in s; else NULL */
+    const uint16_t *s, *z; /* W_Q4's scales and zeros; W_Q8: float32 scales [N, K/g] in s, float32 mins
+                            * [N, K/32] or NULL in z (dense.c's q8_matmul); else NULL */
     const float *bias;     /* or NULL */
-    int n, k, g;
-    int kind; /* W_Q4, W_F32 or W_Q8 */
+    int n, k, g; /* g: W_Q4's group; W_Q8's scale block, 16 or 32 (0 read as 32) */
+    int kind; /* W_Q4, W_F32, W_Q8 or W_CAT */
 } Q4;
 
-enum { W_Q4 = 0, W_F32 = 1, W_Q8 = 2 };
+/* W_CAT: a fused projection whose parts differ in kind (a Q4_K_M file's q/k in Q4_K, v in Q6_K): q points
+ * at g parts (Q4 structs, none W_CAT), whose rows are stacked in order; bias is each part's own. */
+enum { W_Q4 = 0, W_F32 = 1, W_Q8 = 2, W_CAT = 3 };
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -96,10 +99,21 @@ static void rotate(float *v, const float *cos, const float *sin, int d) {
 }
 
 static void matmul(const float *x, float *xp, int b, const Q4 *w, float *y) {
+    if (w->kind == W_CAT) { /* each part into scratch slot 7, then into its columns of y [b, n] */
+        const Q4 *parts = (const Q4 *)w->q;
+        for (int p = 0, col = 0; p < w->g; col += parts[p].n, p++) {
+            float *part = scratch(7, (size_t)b * parts[p].n);
+            matmul(x, xp, b, &parts[p], part);
+            for (int r = 0; r < b; r++)
+                memcpy(y + (size_t)r * w->n + col, part + (size_t)r * parts[p].n, parts[p].n * sizeof(float));
+        }
+        return;
+    }
     if (w->kind == W_F32)
         f32_matmul(x, b, w->k, (const float *)w->q, w->n, w->bias, y);
     else if (w->kind == W_Q8)
-        q8_matmul(x, b, w->k, (const int8_t *)w->q, (const float *)w->s, w->n, w->bias, y);
+        q8_matmul(x, b, w->k, (const int8_t *)w->q, (const float *)w->s, (const float *)w->z, w->g ? w->g : 32,
+                  w->n, w->bias, y);
     else
         q4_matmul_into(x, xp, b, w->k, w->q, w->s, w->z, w->n, w->g, w->bias, y);
 }

@@ -1,87 +1,106 @@
-/* 8-bit (Q8_0 blocks) and dense float32 projections. */
+/* 8-bit blocks (Q8_0, and the int8 form of GGUF's Q5_0/Q5_1/Q5_K/Q6_K) and dense float32 projections. */
 #include "native.h"
 
-/* ---- 8-bit weights in Q8_0 blocks: w[n, k] = q[n, k] * d[n, k / 32], q int8, d float32 ---- */
+/* ---- 8-bit weights in blocks: w[n, k] = q[n, k] * d[n, k / sub] (+ mn[n, k / 32]), q int8, d and mn
+ * float32, sub 16 or 32. Exact for those GGUF types: each block's scale (and min) is a float32 product of
+ * an fp16 super-block scale and a small integer, and q fits int8. ---- */
 
 #if !PREFILL_INT8 /* else prefill.c serves more than INT_ROWS rows */
-static void q8_dequant_rows(const int8_t *q, const float *d, int k, int n0, int rows, float *tile) {
+static void q8_dequant_rows(const int8_t *q, const float *d, const float *mn, int sub, int k, int n0, int rows,
+                            float *tile) {
     for (int r = 0; r < rows; r++) {
         const int8_t *qr = q + (size_t)(n0 + r) * k;
-        const float *dr = d + (size_t)(n0 + r) * (k / 32);
+        const float *dr = d + (size_t)(n0 + r) * (k / sub);
+        const float *mr = mn ? mn + (size_t)(n0 + r) * (k / 32) : NULL;
         float *t = tile + (size_t)r * k;
         for (int c = 0; c < k; c += 16) {
             v16b b;
             memcpy(&b, qr + c, sizeof b);
             typedef int8_t v16s8 __attribute__((vector_size(16)));
-            store16(t + c, __builtin_convertvector(__builtin_convertvector((v16s8)b, v16i), v16) * dr[c / 32]);
+            v16 w = __builtin_convertvector(__builtin_convertvector((v16s8)b, v16i), v16) * dr[c / sub];
+            store16(t + c, mr ? w + mr[c / 32] : w);
         }
     }
 }
 #endif
 
 #if defined(__AVX2__)
+/* A 32-element chunk's dot is two 16-element halves (madd pairs within each half), so a scale per 16
+ * (sub 16: Q6_K) weighs each half; a min per 32 multiplies x's exact float sum over the chunk. */
 static inline __attribute__((always_inline)) void q8_rows_int(const QX *x, const int m, int k, const int8_t *q,
-                                                              const float *d, int n0, int n1, int n,
-                                                              const float *bias, float *y) {
+                                                              const float *d, const float *mn, const int sub,
+                                                              int n0, int n1, int n, const float *bias,
+                                                              float *y) {
     int chunks = k / 32;
     for (int r = n0; r < n1; r++) {
         const int8_t *qr = q + (size_t)r * k;
-        const float *dr = d + (size_t)r * chunks;
+        const float *dr = d + (size_t)r * (k / sub);
+        const float *mr = mn ? mn + (size_t)r * chunks : NULL;
         __m256 acc[SMALL_M];
-        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
+        float off[SMALL_M];
+        for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps(), off[i] = 0.f;
         for (int c = 0; c < chunks; c++) {
             __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + c * 32)));
             __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + c * 32 + 16)));
             for (int i = 0; i < m; i++) {
                 const int16_t *xq = x->q + (size_t)i * k + c * 32;
-                __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq)),
-                                               _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16))));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dr[c] * x->dx[(size_t)i * chunks + c]),
-                                         acc[i]);
+                __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq));
+                __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16)));
+                float dx = x->dx[(size_t)i * chunks + c];
+                if (sub == 32) {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(dr[c] * dx),
+                                             acc[i]);
+                } else {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dr[2 * c] * dx), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dr[2 * c + 1] * dx), acc[i]);
+                }
+                if (mr) off[i] += mr[c] * x->sum[(size_t)i * chunks + c];
             }
         }
         for (int i = 0; i < m; i++) {
             __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            y[(size_t)i * n + r] = _mm_cvtss_f32(h) + (bias ? bias[r] : 0.f);
+            y[(size_t)i * n + r] = _mm_cvtss_f32(h) + off[i] + (bias ? bias[r] : 0.f);
         }
     }
 }
 
-static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const float *d, int n0, int n1, int n,
-                            const float *bias, float *y) {
+static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub,
+                            int n0, int n1, int n, const float *bias, float *y) {
     for (int i0 = 0; i0 < m; i0 += SMALL_M) {
         QX xi = qx_rows(x, i0, k);
         float *yi = y + (size_t)i0 * n;
-#define Q8_ROWS_INT(M) q8_rows_int(&xi, M, k, q, d, n0, n1, n, bias, yi)
+#define Q8_ROWS_INT(M) q8_rows_int(&xi, M, k, q, d, mn, sub, n0, n1, n, bias, yi)
         WITH_CONSTANT_ROWS(m - i0, Q8_ROWS_INT)
 #undef Q8_ROWS_INT
     }
 }
 #endif
 
-/* y [M, N] = x [M, K] @ W^T (+ bias) for Q8_0 blocks (K % 32 == 0); x in its natural order. */
-void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias, float *y) {
+/* y [M, N] = x [M, K] @ W^T (+ bias) for 8-bit blocks (K % 32 == 0); x in its natural order. prefill.c's
+ * tiles hold one scale per 32: scales per 16 take the int16 path at every row count. */
+void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub, int n,
+               const float *bias, float *y) {
 #if defined(__AVX2__)
-    if (m <= INT_ROWS) {
+    if (m <= INT_ROWS || sub != 32) {
         int per = 16, tasks = (n + per - 1) / per;
         QX qx = quantize_x(x, m, k);
 #pragma omp parallel for schedule(static) num_threads(threads())
         for (int t = 0; t < tasks; t++) {
             int n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
-            q8_rows_int_any(&qx, m, k, q, d, n0, n1, n, bias, y);
+            q8_rows_int_any(&qx, m, k, q, d, mn, sub, n0, n1, n, bias, y);
         }
         return;
     }
-    q8_matmul_int8(x, m, k, q, d, n, bias, y);
+    q8_matmul_int8(x, m, k, q, d, mn, n, bias, y);
 #else
     int nb = 64, tiles = (n + nb - 1) / nb;
 #pragma omp parallel for schedule(static) num_threads(threads())
     for (int t = 0; t < tiles; t++) {
         int n0 = t * nb, rows = n0 + nb <= n ? nb : n - n0;
         float *tile = scratch(0, (size_t)nb * k);
-        q8_dequant_rows(q, d, k, n0, rows, tile);
+        q8_dequant_rows(q, d, mn, sub, k, n0, rows, tile);
         tile_matmul(x, m, k, tile, rows, n0, n, bias, y);
     }
 #endif

@@ -110,8 +110,8 @@ int threads(void);
 
 /* Grow-only per-thread buffer `slot` of at least n floats, 64-byte aligned (common.c). Slots: 0
  * weight tiles, 1 reordered x, 2 attention scores, 3 decode-step activations, 4 int16 x,
- * 5 attention partials, 6 x's int8 planes (prefill.c). */
-#define SCRATCH_SLOTS 7
+ * 5 attention partials, 6 x's int8 planes (prefill.c), 7 a mixed fused projection's part (decode.c). */
+#define SCRATCH_SLOTS 8
 float *scratch(int slot, size_t n);
 
 #define SMALL_M 4
@@ -166,8 +166,8 @@ static inline QX qx_rows(const QX *x, int i0, int k) {
 #define PREFILL_INT8 1
 void q4_matmul_int8(const float *x, int m, int k, const uint8_t *q, const uint16_t *s, const uint16_t *z, int n,
                     int g, const float *bias, float *y);
-void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias,
-                    float *y);
+void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int n,
+                    const float *bias, float *y);
 #else
 #define PREFILL_INT8 0
 #endif
@@ -175,7 +175,10 @@ void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *
 /* The weight kinds' products (q4.c, dense.c), y [M, N] = x [M, K] @ W^T (+ bias). */
 void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, const uint16_t *s,
                            const uint16_t *z, int n, int g, const float *bias, float *y);
-void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias, float *y);
+/* 8-bit blocks: w[n, k] = q[n, k] * d[n, k / sub] (+ mn[n, k / 32] where mn is not NULL), sub 16 or 32:
+ * Q8_0 (sub 32, no mins) and the int8 form of GGUF's Q5_0, Q5_1, Q5_K (sub 32, mins) and Q6_K (sub 16). */
+void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub, int n,
+               const float *bias, float *y);
 void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y);
 
 #endif

@@ -174,7 +174,7 @@ static Tile repack_q4(const uint8_t *q, const uint16_t *s, const uint16_t *z, in
 
 /* Q8_0 rows [n0, n0 + W): block b's vector p holds, in lane r, k = 32b + 4p + t (t = 0..3), as
  * w + 128 (VNNI) or w itself (AVX2: x's sign is moved onto it at each step). */
-static Tile repack_q8(const int8_t *q, const float *d, int n, int k, int n0, uint8_t *room) {
+static Tile repack_q8(const int8_t *q, const float *d, const float *mn, int n, int k, int n0, uint8_t *room) {
     int blocks = k / 32;
     uint8_t *dst = room;
     float *sv = (float *)(room + (size_t)blocks * 8 * W * 4), *mv = sv + (size_t)blocks * W;
@@ -182,15 +182,16 @@ static Tile repack_q8(const int8_t *q, const float *d, int n, int k, int n0, uin
         int row = n0 + r;
         for (int b = 0; b < blocks; b++) {
             uint8_t out[32] = {0};
-            float sc = 0.f;
+            float sc = 0.f, lo = 0.f; /* lo: the block's min (Q5_1, Q5_K), 0 for Q8_0 */
             if (row < n) {
                 const int8_t *src = q + (size_t)row * k + b * 32;
                 for (int j = 0; j < 32; j++) out[j] = (uint8_t)(Q8_VNNI ? (uint8_t)src[j] ^ 0x80 : (uint8_t)src[j]);
                 sc = d[(size_t)row * blocks + b];
+                lo = mn ? mn[(size_t)row * blocks + b] : 0.f;
             } else if (Q8_VNNI) {
                 memset(out, 0x80, sizeof out); /* w = 0 */
             }
-            place(dst, sv, mv, 8, b, r, out, sc, Q8_VNNI ? -128.f * sc : 0.f);
+            place(dst, sv, mv, 8, b, r, out, sc, lo + (Q8_VNNI ? -128.f * sc : 0.f));
         }
     }
     return (Tile){dst, sv, mv, 8};
@@ -259,8 +260,8 @@ static inline __attribute__((always_inline)) void tile_rows(const XQ8 *x, int i0
     }
 }
 
-/* A weight in either form: 4-bit (q nibbles, s / z bfloat16 scales and zeros per group g) or Q8_0
- * (q int8, s float32 per block; z unused). */
+/* A weight in either form: 4-bit (q nibbles, s / z bfloat16 scales and zeros per group g) or 8-bit
+ * blocks of 32 (q int8, s float32 per block; z float32 mins per block or NULL). */
 typedef struct {
     const void *q, *s, *z;
     int n, k, g, steps; /* steps: 4 for 4-bit, 8 for Q8_0 (Tile.steps) */
@@ -268,7 +269,7 @@ typedef struct {
 
 static Tile repack(const Weight *w, int n0, uint8_t *room) {
     if (w->steps == 4) return repack_q4(w->q, w->s, w->z, w->n, w->k, w->g, n0, room);
-    return repack_q8(w->q, w->s, w->n, w->k, n0, room);
+    return repack_q8(w->q, w->s, w->z, w->n, w->k, n0, room);
 }
 
 static void rows_any(const XQ8 *x, int i0, int m, int k, const Tile *t, int n0, int n, const float *bias,
@@ -297,9 +298,9 @@ void q4_matmul_int8(const float *x, int m, int k, const uint8_t *q, const uint16
     int8_matmul(x, m, &w, bias, y);
 }
 
-void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *d, int n, const float *bias,
-                    float *y) {
-    Weight w = {q, d, NULL, n, k, 32, 8};
+void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int n,
+                    const float *bias, float *y) {
+    Weight w = {q, d, mn, n, k, 32, 8};
     int8_matmul(x, m, &w, bias, y);
 }
 

@@ -12,8 +12,11 @@ Contract:
   F32 tensors are copied as they are), so the checkpoint is float32 whatever
   the file's quantization; a type `gguf` cannot dequantize is a ModelLoadError
   naming the tensor and the type.
-* The Q4_0/Q4_1/Q8_0 tensors are also kept as blocks in `quantized.safetensors`
-  (model/gguf_blocks.py), which `--quantization gguf` serves without dequantizing.
+* The tensors in block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are also kept as
+  blocks in `quantized.safetensors` (model/gguf_blocks.py, in the form model/gguf_types.py gives
+  each type), which `--quantization gguf` serves without dequantizing. A tensor of any other type
+  than those and F32/F16/BF16 (Q2_K, Q3_K, the IQ types) is a ModelLoadError naming the types
+  served, before anything is written.
 * llama.cpp's converter permutes the rows of q_proj / k_proj (per head, the
   two rotary halves interleaved for its rope layout); they are permuted back,
   so the result is the HF layout the engine and transformers expect.
@@ -220,9 +223,10 @@ def hf_tensors(reader, config: dict, progress: Progress | None = None) -> dict[s
 
 
 def hf_blocks(reader, config: dict) -> dict[str, torch.Tensor]:
-    """The blocks of every Q4_0/Q4_1/Q8_0 tensor under `HF name.suffix` (gguf_blocks' layout),
+    """The blocks of every tensor in a block type under `HF name.suffix` (gguf_blocks' layout),
     q/k rows in HF order like `hf_tensors`."""
-    from pipeserve.model.gguf_blocks import permute_blocks, read_blocks
+    from pipeserve.model.gguf_blocks import permute_blocks
+    from pipeserve.model.gguf_types import read_blocks
 
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -242,6 +246,7 @@ def convert_gguf(src: str | Path, dst: str | Path, progress_s: float | None = No
     """Write the HF checkpoint of the GGUF file `src` into the new directory `dst` (atomically)."""
     from pipeserve.model.gguf_blocks import BLOCK, BLOCKS_FILE, FORMAT
     from pipeserve.model.gguf_tokenizer import write_tokenizer_files
+    from pipeserve.model.gguf_types import check_types, form, type_name
 
     out = Path(dst)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -250,6 +255,8 @@ def convert_gguf(src: str | Path, dst: str | Path, progress_s: float | None = No
     meta = metadata(reader)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config, gen = hf_config(meta, has_output)
+    check_types(reader.tensors)
+    types = {hf_name(t.name): type_name(t) for t in reader.tensors}
     if progress_s is None:
         tensors = hf_tensors(reader, config)
     else:
@@ -268,8 +275,15 @@ def convert_gguf(src: str | Path, dst: str | Path, progress_s: float | None = No
         del tensors
         blocks = hf_blocks(reader, config)
         written = ["model.safetensors"]
-        if blocks:
-            save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": FORMAT, "block": str(BLOCK)})
+        if set(types.values()) != {"F32"}:  # each tensor's type and served form, dense ones too
+            forms = {name: form(t) for name, t in types.items()}
+            info = {
+                "format": FORMAT,
+                "block": str(BLOCK),
+                "types": json.dumps(types),
+                "forms": json.dumps(forms),
+            }
+            save_file(blocks, str(tmp / BLOCKS_FILE), metadata=info)
             written.append(BLOCKS_FILE)
         # safetensors creates its file owner-only; give it the mode (umask) the other files got.
         for fname in written:

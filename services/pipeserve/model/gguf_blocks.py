@@ -1,31 +1,37 @@
 """A GGUF file's quantized blocks, kept beside the float checkpoint it converts to (`--quantization gguf`).
 
 `convert_gguf` writes `quantized.safetensors` next to `model.safetensors`: for every tensor the
-file stores as Q4_0, Q4_1 or Q8_0 (llama.cpp's 32-wide blocks), the block contents under its HF
-name, q/k rows already in HF order. Serving with `--quantization gguf` reads the projections from
-it instead of the float32 tensors, so the weights computed with are the file's own blocks:
+file stores in a block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the block contents
+under its HF name, q/k rows already in HF order, in the served form gguf_types.py gives each type.
+Serving with `--quantization gguf` reads the projections from it instead of the float32 tensors,
+so the weights computed with are the file's own blocks, not a requantization:
 
-* Q4_1 (`d`, `m`, 16 bytes of nibbles): w = d * q + m, q in 0..15. Q4_0 (`d`, nibbles): w = d * (q - 8),
-  stored here as Q4_1 with m = -8 d (exact in float16). Either becomes an `Int4Linear` with group 32
-  and the same q, d, m: no requantization (only d and m round to bfloat16, the kernel's type).
-* Q8_0 (`d`, 32 int8): w = d * q. An embedding gathers its rows from these blocks exactly
-  (`Q8Embedding`); a projection (a tied lm_head) is requantized per output channel for
-  `Int8Linear`, the only int8 CPU kernel torch has (per-block scales it has not).
+* form int4 (Q4_0, Q4_1, Q4_K): an `Int4Linear` with group 32 and the file's q, scale and min
+  (only those two round to bfloat16, the kernel's type); an embedding in this form gathers its rows
+  from the same nibbles (`Int4Embedding`, shared with a tied head).
+* form q8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): a `Q8Linear` (int8 values, float32 scales per 32 or 16,
+  float32 mins), exact, on the native CPU kernels; elsewhere Q8_0 is requantized per output channel
+  for `Int8Linear` (torch's int8 kernel) and the others dequantize per call (quant.Q8Linear). An
+  embedding gathers its rows exactly (`Q8Embedding`).
+* A fused projection whose parts differ in form (a Q4_K_M file's v in Q6_K beside q and k in Q4_K)
+  is a `ConcatLinear` of the parts' forms.
+* F32, F16 and BF16 tensors have no blocks: the float checkpoint serves them in the model's dtype.
 
 Layout of `quantized.safetensors`, per HF tensor NAME (N rows, K inputs, K % 32 == 0):
-  NAME.qs  uint8 [N, K/32, 16]  Q4: element j of a block is qs[j] & 15, element 16 + j is qs[j] >> 4
-  NAME.q8  int8  [N, K]         Q8_0
-  NAME.d   float16 [N, K/32]    the block scale
-  NAME.m   float16 [N, K/32]    Q4 only: the block minimum
-The header's metadata says `format: gguf-blocks` and the block size.
+  NAME.qs  uint8 [N, K/32, 16]  int4: element j of a block is qs[j] & 15, element 16 + j is qs[j] >> 4
+  NAME.q8  int8  [N, K]         q8
+  NAME.d   float16 or float32 [N, K/32] (Q6_K: [N, K/16])  the block scale
+  NAME.m   float16 or float32 [N, K/32]  the block minimum (int4; q8 where the type has one)
+The header's metadata says `format: gguf-blocks`, the block size, and (JSON) each tensor's GGUF
+`types` and served `forms` (int4, q8 or dense), for every tensor of the file.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -38,40 +44,6 @@ from pipeserve.model.stage_model import StageModel, StageSpec
 BLOCKS_FILE = "quantized.safetensors"
 BLOCK = 32
 FORMAT = "gguf-blocks"
-
-
-def _split_blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
-    """GGUF rows of bytes [N, K/32 * block_bytes] -> [N, K/32, block_bytes]."""
-    n = raw.shape[0]
-    return np.ascontiguousarray(raw).reshape(n, -1, block_bytes)
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    """Two bytes per block -> float16 [N, K/32]."""
-    return np.ascontiguousarray(b).view(np.float16).reshape(b.shape[:-1])
-
-
-def read_blocks(tensor) -> dict[str, torch.Tensor] | None:
-    """One GGUF tensor's blocks as the suffix -> tensor entries of the layout above; None when its
-    type is not blocked here (F32, F16, K-quants: those stay in the float checkpoint only)."""
-    from gguf import GGMLQuantizationType as T
-
-    kind = T(tensor.tensor_type)
-    if kind not in (T.Q4_0, T.Q4_1, T.Q8_0):
-        return None
-    raw = np.asarray(tensor.data)
-    if kind is T.Q4_1:
-        b = _split_blocks(raw, 20)
-        d, m, qs = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:20]
-        return {"qs": torch.from_numpy(qs.copy()), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
-    if kind is T.Q4_0:
-        b = _split_blocks(raw, 18)
-        d, qs = _f16(b[..., 0:2]), b[..., 2:18]
-        m = (d.astype(np.float32) * -8.0).astype(np.float16)  # exact: a power of two
-        return {"qs": torch.from_numpy(qs.copy()), "d": torch.from_numpy(d), "m": torch.from_numpy(m)}
-    b = _split_blocks(raw, 34)
-    d, q8 = _f16(b[..., 0:2]), np.ascontiguousarray(b[..., 2:34]).view(np.int8)
-    return {"q8": torch.from_numpy(q8.reshape(raw.shape[0], -1).copy()), "d": torch.from_numpy(d)}
 
 
 def permute_blocks(blocks: dict[str, torch.Tensor], permute: Callable[[torch.Tensor], torch.Tensor]):
@@ -95,6 +67,9 @@ class GgufBlocks:
         if meta.get("format") != FORMAT or int(meta.get("block", 0)) != BLOCK:
             raise ModelLoadError(f"{self.path} is not a {FORMAT} file with block size {BLOCK}")
         self.names = {k.rsplit(".", 1)[0] for k in self.keys}
+        # GGUF type and served form per tensor (files converted before K-quants: Q4_0/Q4_1/Q8_0 only)
+        self.types: dict[str, str] = json.loads(meta.get("types", "{}"))
+        self.forms: dict[str, str] = json.loads(meta.get("forms", "{}"))
 
     def __enter__(self) -> GgufBlocks:
         # One handle for the whole install: each open parses the header of every tensor again
@@ -115,54 +90,97 @@ class GgufBlocks:
     def kind(self, name: str) -> str:
         return "q4" if f"{name}.qs" in self.keys else "q8"
 
+    def type(self, name: str) -> str:
+        """The tensor's GGUF type name (a file without the record: Q8_0 for its 8-bit blocks)."""
+        return self.types.get(name, "Q4_x" if self.kind(name) == "q4" else "Q8_0")
+
     def int4(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Q4 blocks of `names` stacked by rows (a fused projection): q uint8 [N, K] in 0..15,
         d and m float32 [N, K/32]."""
         qs, ds, ms = [], [], []
         for name in names:
             if self.kind(name) != "q4":
-                raise ModelLoadError(f"{name}: a fused projection mixes Q4 and Q8_0 blocks")
+                raise ModelLoadError(f"{name} ({self.type(name)}) is not in the int4 form")
             q, d, m = self._get([f"{name}.qs", f"{name}.d", f"{name}.m"])
             qs.append(torch.cat([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1))
             ds.append(d.float())
             ms.append(m.float())
         return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
-    def q8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """int8 [N, K] and float32 scales [N, K/32]."""
-        q, d = self._get([f"{name}.q8", f"{name}.d"])
-        return q, d.float()
+    def q8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """int8 [N, K], float32 scales [N, K/32] (Q6_K: [N, K/16]) and mins [N, K/32] or None."""
+        keys = [f"{name}.q8", f"{name}.d"] + ([f"{name}.m"] if f"{name}.m" in self.keys else [])
+        q, d, *m = self._get(keys)
+        return q, d.float(), m[0].float() if m else None
 
     def dequantized(self, names: list[str]) -> torch.Tensor:
         """The float32 weight of `names` stacked by rows, as the file defines it."""
         out = []
         for name in names:
             if self.kind(name) == "q4":
-                q, d, m = self.int4([name])
+                q, d, m4 = self.int4([name])
                 g = q.float().reshape(q.shape[0], -1, BLOCK)
-                out.append((g * d[..., None] + m[..., None]).reshape(q.shape))
+                out.append((g * d[..., None] + m4[..., None]).reshape(q.shape))
             else:
-                q8, d = self.q8(name)
-                out.append((q8.float().reshape(q8.shape[0], -1, BLOCK) * d[..., None]).reshape(q8.shape))
+                q8, d, m8 = self.q8(name)
+                w = q8.float().reshape(q8.shape[0], d.shape[1], -1) * d[..., None]
+                if m8 is not None:
+                    w = w.reshape(q8.shape[0], -1, BLOCK) + m8[..., None]
+                out.append(w.reshape(q8.shape))
         return torch.cat(out)
 
 
 class Q8Embedding(nn.Module):
-    """An embedding over Q8_0 blocks: the rows asked for are dequantized exactly (d * q) on gather."""
+    """An embedding over 8-bit blocks: the rows asked for are dequantized exactly (d * q (+ m)) on
+    gather; scales per 32 (per 16: Q6_K), mins per 32 or None."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor | None
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, mins: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.register_buffer("qweight", q)  # int8 [V, K]
-        self.register_buffer("scales", d)  # float32 [V, K/32]
+        self.register_buffer("scales", d)  # float32 [V, K/32] or [V, K/16]
+        self.register_buffer("mins", mins)  # float32 [V, K/32] or None
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.qweight[ids].float()
-        rows = q.reshape(*q.shape[:-1], -1, BLOCK) * self.scales[ids][..., None]
+        rows = q.reshape(*q.shape[:-1], self.scales.shape[1], -1) * self.scales[ids][..., None]
+        if self.mins is not None:
+            rows = rows.reshape(*q.shape[:-1], -1, BLOCK) + self.mins[ids][..., None]
         return rows.reshape(q.shape).to(self.dtype)
+
+
+class Int4Embedding(nn.Module):
+    """An embedding over the int4 form, in Int4Linear's nibble layout (a tied head's own tensors):
+    row = (q - 8) * s + z per group of 32, s and z bfloat16, as the head computes with."""
+
+    qweight: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("qweight", packed)  # uint8 [V, K/2] (quant.pack_nibbles)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # bfloat16 [2, V, K/32]
+        self.dtype = dtype
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype):
+        from pipeserve.model.quant import pack_nibbles
+
+        return cls(pack_nibbles(q), torch.stack([d, m + 8.0 * d]).to(torch.bfloat16).contiguous(), dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from pipeserve.model.quant import unpack_nibbles
+
+        packed = self.qweight[ids]
+        q = unpack_nibbles(packed.reshape(-1, packed.shape[-1])).float().reshape(*ids.shape, -1, BLOCK)
+        s, z = self.scales_and_zeros[0][ids].float(), self.scales_and_zeros[1][ids].float()
+        return ((q - 8.0) * s[..., None] + z[..., None]).reshape(*ids.shape, -1).to(self.dtype)
 
 
 # StageModel module path (per local layer) -> the checkpoint projections it fuses, in row order.
@@ -174,28 +192,63 @@ _FUSED = {
 }
 
 
-def _quantized_linear(
-    blocks: GgufBlocks, names: list[str], dtype: torch.dtype, device: torch.device, q8=None
+def _q8_linear(
+    blocks: GgufBlocks, name: str, q8: tuple, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
-    """The served form of `names`' blocks; `q8`: the (q, d) of a Q8_0 tensor already read (a tied
-    head shares the embedding's)."""
-    from pipeserve.model.quant import Int4Linear, Int8Linear, Q8Linear, q8_native, quantize_int8
+    """The served form of one tensor's (or stacked tensors') 8-bit blocks `q8` = (q, d, m)."""
+    from pipeserve.model.quant import Int8Linear, Q8Linear, q8_native, quantize_int8
 
-    if all(blocks.kind(n) == "q4" for n in names):
-        return Int4Linear(None, None, BLOCK, quantized=blocks.int4(names), out_dtype=dtype)
-    if len(names) != 1:
-        raise ModelLoadError(f"{names}: a fused projection of Q8_0 blocks is not served")
-    q8, d = q8 if q8 is not None else blocks.q8(names[0])
+    q, d, m = q8
     if q8_native(device):  # the blocks themselves, exact
-        return Q8Linear(q8, d, None, dtype)
-    # Elsewhere per-block scales -> Int8Linear's per-channel ones, requantized from the exact values
-    # a slice of rows at a time (a vocabulary matrix in float32 would be ~4x the file's bytes at once).
-    q, s = torch.empty_like(q8), torch.empty(q8.shape[0])
-    for lo in range(0, q8.shape[0], 4096):
+        return Q8Linear(q, d, None, dtype, mins=m)
+    if blocks.type(name) != "Q8_0":  # no per-channel requantization of these: exact, dequantized per call
+        return Q8Linear(q, d, None, dtype, mins=m, fallback=True)
+    # Elsewhere Q8_0's per-block scales -> Int8Linear's per-channel ones, requantized from the exact
+    # values a slice of rows at a time (a vocabulary matrix in float32 would be ~4x the file's bytes).
+    qs, s = torch.empty_like(q), torch.empty(q.shape[0])
+    for lo in range(0, q.shape[0], 4096):
         rows = slice(lo, lo + 4096)
-        w = q8[rows].float().reshape(-1, q8.shape[1] // BLOCK, BLOCK) * d[rows][..., None]
-        q[rows], s[rows] = quantize_int8(w.reshape(-1, q8.shape[1]))
-    return Int8Linear(None, None, out_dtype=dtype, quantized=(q, s))
+        w = q[rows].float().reshape(-1, q.shape[1] // BLOCK, BLOCK) * d[rows][..., None]
+        qs[rows], s[rows] = quantize_int8(w.reshape(-1, q.shape[1]))
+    return Int8Linear(None, None, out_dtype=dtype, quantized=(qs, s))
+
+
+def _quantized_linear(
+    blocks: GgufBlocks, names: list[str], dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """The served form of `names`' blocks stacked by rows (a fused projection): one module where
+    every part has the same form (8-bit ones also the same scale block and mins or none), else a
+    ConcatLinear of each part's."""
+    from pipeserve.model.quant import ConcatLinear, Int4Linear
+
+    kinds = {blocks.kind(n) for n in names}
+    if kinds == {"q4"}:
+        return Int4Linear(None, None, BLOCK, quantized=blocks.int4(names), out_dtype=dtype)
+    if kinds == {"q8"}:
+        parts = [blocks.q8(n) for n in names]
+        shapes = {(d.shape[1], m is None) for _, d, m in parts}
+        q8_0 = all(blocks.type(n) == "Q8_0" for n in names) or not any(
+            blocks.type(n) == "Q8_0" for n in names
+        )
+        if len(shapes) == 1 and q8_0:
+            q, d, m = (torch.cat(t) if t[0] is not None else None for t in zip(*parts, strict=True))
+            return _q8_linear(blocks, names[0], (q, d, m), dtype, device)
+    return ConcatLinear([_quantized_linear(blocks, [n], dtype, device) for n in names])
+
+
+def _embedding(blocks: GgufBlocks, name: str, dtype: torch.dtype, head: nn.Module | None) -> nn.Module:
+    """The embedding served from `name`'s blocks; `head`: a tied head's served module, whose tensors
+    it shares where they are in a form it gathers from (one copy of the vocabulary matrix)."""
+    from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear
+
+    if blocks.kind(name) == "q8":
+        if isinstance(head, Q8Linear):
+            return Q8Embedding(head.qweight, head.scales, dtype, head.mins)
+        q, d, m = blocks.q8(name)
+        return Q8Embedding(q, d, dtype, m)
+    if isinstance(head, Int4Linear) and head.layout == NIBBLE_LAYOUT:
+        return Int4Embedding(head.qweight, head.scales_and_zeros, dtype)
+    return Int4Embedding.from_blocks(*blocks.int4([name]), dtype)
 
 
 def install(
@@ -205,7 +258,8 @@ def install(
     checkpoint tensors have blocks for its quantized form, one projection at a time (the float
     weight is never read). Returns the checkpoint names served from blocks: the loader reads the rest.
 
-    A projection with a bias, or fused from tensors only some of which have blocks, stays float.
+    A projection with a bias, or fused from tensors only some of which have blocks (F16 beside
+    Q4_K), stays float.
     """
     served: set[str] = set()
     for local, i in enumerate(range(stage.layer_lo, stage.layer_hi)):
@@ -220,16 +274,16 @@ def install(
             served.update(names)
         return_freed_memory()  # each layer's temporaries, so the load's peak stays near its result
     embed = "model.embed_tokens.weight"
-    embed_blocks = None
-    if stage.is_first and embed in blocks.names and blocks.kind(embed) == "q8":
-        embed_blocks = blocks.q8(embed)
-        model.embed_tokens = Q8Embedding(*embed_blocks, cfg.dtype)  # type: ignore[assignment]
-        served.add(embed)
     head = embed if cfg.tie_word_embeddings else "lm_head.weight"
+    lm_head = None
     if stage.is_last and head in blocks.names:
-        shared = embed_blocks if head == embed else None
-        model.lm_head = _quantized_linear(blocks, [head], cfg.dtype, device, shared)  # type: ignore[assignment]
+        lm_head = _quantized_linear(blocks, [head], cfg.dtype, device)
+        model.lm_head = lm_head  # type: ignore[assignment]
         served.add(head)
+    if stage.is_first and embed in blocks.names:
+        tied = lm_head if head == embed else None
+        model.embed_tokens = _embedding(blocks, embed, cfg.dtype, tied)  # type: ignore[assignment]
+        served.add(embed)
     return served
 
 

@@ -24,9 +24,9 @@ import ctypes
 import torch
 
 from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear
-from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear, native_kernels
+from pipeserve.model.quant import NIBBLE_LAYOUT, ConcatLinear, Int4Linear, Q8Linear, native_kernels
 from pipeserve_kernels.cpu_linear import native_f32_rows, native_weight
-from pipeserve_kernels.native import KV_DTYPES, Q4, W_F32, W_Q4, W_Q8, Dims, Layer
+from pipeserve_kernels.native import KV_DTYPES, Q4, W_CAT, W_F32, W_Q4, W_Q8, Dims, Layer
 
 # The most decode rows one native step takes: below this its products beat torch's batched ones
 # (benchmarks/RESULTS.md, issue 22); a float32 stage takes at most what its CPU's calibration
@@ -47,7 +47,14 @@ def _q4(lin: torch.nn.Module) -> Q4:
         return Q4(lin.weight.data_ptr(), None, None, bias, n, k, 0, W_F32)
     if isinstance(lin, Q8Linear):
         n, k = lin.qweight.shape
-        return Q4(lin.qweight.data_ptr(), lin.scales.data_ptr(), None, bias, n, k, 0, W_Q8)
+        mins = None if lin.mins is None else lin.mins.data_ptr()  # GGUF's Q5_1/Q5_K form; sub: Q6_K's 16
+        return Q4(lin.qweight.data_ptr(), lin.scales.data_ptr(), mins, bias, n, k, lin.sub, W_Q8)
+    if isinstance(lin, ConcatLinear):  # the parts' array lives as long as the module
+        parts = (Q4 * len(lin.parts))(*map(_q4, lin.parts))
+        lin.native_parts = parts
+        return Q4(
+            ctypes.addressof(parts), None, None, None, lin.out_features, lin.in_features, len(parts), W_CAT
+        )
     raise TypeError(f"{type(lin).__name__} is not a projection the native kernels read")
 
 
@@ -60,6 +67,8 @@ def _projection_kind(p: torch.nn.Module) -> int | None:
         return W_F32
     if isinstance(p, Q8Linear) and p.qweight.device.type == "cpu":
         return W_Q8
+    if isinstance(p, ConcatLinear) and all(_projection_kind(q) in (W_Q4, W_Q8) for q in p.parts):
+        return W_CAT
     return None
 
 

@@ -24,14 +24,18 @@ lm_head and the embedding stay float unless a GGUF file quantized them (gguf_blo
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from pipeserve_kernels.native import Native
+
+log = logging.getLogger(__name__)
 
 NIBBLE_LAYOUT = "nibbles"
 INT4PACK_LAYOUT = "int4pack"
@@ -280,31 +284,54 @@ def quantize_q8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.
 
 
 class Q8Linear(nn.Module):
-    """w = q * d over blocks of 32 along the input dim (GGUF's Q8_0), served by dense.c's q8_matmul.
+    """w = q * d (+ m) over blocks along the input dim, served by dense.c's q8_matmul: GGUF's Q8_0
+    (d per 32), and the int8 form of Q5_0, Q5_1, Q5_K (d and a min m per 32) and Q6_K (d per 16)
+    that gguf_blocks.py serves those types in, exactly.
 
-    Built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF file's
-    Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float weight
-    ~4x finer. A tied GGUF head shares the embedding's blocks (one copy of the vocabulary matrix).
+    Q8_0 is built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF
+    file's Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float
+    weight ~4x finer. The GGUF forms also serve elsewhere (`fallback`): the exact weight dequantized
+    per call into torch's product (CUDA, PIPESERVE_KERNELS=torch), said once in the log. A tied GGUF
+    head shares the embedding's blocks (one copy of the vocabulary matrix).
     """
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(
-        self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+        self,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        mins: torch.Tensor | None = None,
+        fallback: bool = False,
     ) -> None:
         super().__init__()
-        if q.shape[1] % Q8_BLOCK or tuple(d.shape) != (q.shape[0], q.shape[1] // Q8_BLOCK):
-            raise ValueError(f"Q8Linear: q {tuple(q.shape)} and d {tuple(d.shape)} are not Q8_0 blocks")
+        n, k = q.shape
+        sub = k // d.shape[1] if d.dim() == 2 and d.shape[1] else 0
+        if k % Q8_BLOCK or sub not in (16, 32) or tuple(d.shape) != (n, k // sub):
+            raise ValueError(
+                f"Q8Linear: q {tuple(q.shape)} and d {tuple(d.shape)} are not blocks of 16 or 32"
+            )
+        if mins is not None and tuple(mins.shape) != (n, k // Q8_BLOCK):
+            raise ValueError(f"Q8Linear: mins {tuple(mins.shape)} are not one per block of 32")
         kernels = native_kernels()
-        if kernels is None:
+        if kernels is None and not fallback:
             raise ValueError("Q8Linear needs the native CPU kernels")
         self._kernels = kernels
         self.register_buffer("qweight", q)
         self.register_buffer("scales", d.float())
+        self.register_buffer("mins", None if mins is None else mins.float())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_dtype = out_dtype
+
+    @property
+    def sub(self) -> int:
+        """Elements per scale: 32, or 16 (Q6_K's form)."""
+        return self.qweight.shape[1] // self.scales.shape[1]
 
     @property
     def in_features(self) -> int:
@@ -315,13 +342,53 @@ class Q8Linear(nn.Module):
         return self.qweight.shape[0]
 
     def dequantized(self) -> torch.Tensor:
+        """The float32 weight the kernel computes with: q * d (+ m), as gguf dequantizes the file."""
         n, k = self.qweight.shape
-        return (self.qweight.float().reshape(n, -1, Q8_BLOCK) * self.scales[..., None]).reshape(n, k)
+        w = self.qweight.float().reshape(n, -1, self.sub) * self.scales[..., None]
+        if self.mins is not None:
+            w = w.reshape(n, -1, Q8_BLOCK) + self.mins[..., None]
+        return w.reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self._kernels.int8_linear(x.reshape(-1, shape[-1]).float(), self.qweight, self.scales, self.bias)
+        x2 = x.reshape(-1, shape[-1])
+        if self._kernels is not None and x.device.type == "cpu":
+            y = self._kernels.int8_linear(x2.float(), self.qweight, self.scales, self.bias, self.mins)
+            return y.to(self.out_dtype).reshape(*shape[:-1], -1)
+        _fallback_once()
+        w = self.dequantized().to(x.dtype)
+        y = torch.nn.functional.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
         return y.to(self.out_dtype).reshape(*shape[:-1], -1)
+
+
+@functools.cache
+def _fallback_once() -> None:
+    log.warning(
+        "8-bit GGUF blocks (Q5_0/Q5_1/Q5_K/Q6_K form) without the native CPU kernels: each projection "
+        "dequantizes its exact weight per call into torch's product (no Triton kernel reads this form)"
+    )
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection whose checkpoint parts are served in different forms (a Q4_K_M file's q and
+    k in Q4_K, its v in Q6_K): y = cat(part(x) for part in parts), the parts' rows stacked in order.
+    decode.c's decode step reads it as W_CAT (model/native_decode.py)."""
+
+    parts: nn.ModuleList
+    native_parts: object  # decode.c's view of the parts (a ctypes array), set by native_decode
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = cast(int, parts[0].in_features)
+        self.out_features = sum(cast(int, p.out_features) for p in parts)
+        self.native_parts = None
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([cast(Int4Linear | Q8Linear, p).dequantized() for p in self.parts.children()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts.children()], dim=-1)
 
 
 def q8_native(device: torch.device) -> bool:
