@@ -1353,8 +1353,8 @@ MUTANTS = [
     (
         "generate's flags forget the list's cli defaults",
         "services/pipeserve/cli.py",
-        "            group.add_argument(flag, type=kind, default=f.flag_default, help=text)",
-        "            group.add_argument(flag, type=kind, default=f.default, help=text)",
+        "            group.add_argument(flag, type=kind, default=f.flag_default, help=text, action=_Given)",
+        "            group.add_argument(flag, type=kind, default=f.default, help=text, action=_Given)",
         "tests/test_sampling_fields.py -k generate_flags",
     ),
     (
