@@ -1736,6 +1736,13 @@ MUTANTS = [
         "tests/model/test_gguf_kquant.py -k native",
     ),
     (
+        "Triton 8-bit blocks: a scale per 16 (Q6_K) read per 32",
+        "kernels/pipeserve_kernels/triton_quant.py",
+        "(rk // SUB)[:, None], mask=wm, other=0.0)",
+        "(rk // 32)[:, None], mask=wm, other=0.0)",
+        "tests/kernels/test_triton_quant.py -k q8_blocks",
+    ),
+    (
         "reference quantizer: Q4_K/Q5_K without make_qkx2_quants' search",
         "services/pipeserve/model/gguf_quant.py",
         "make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)",

@@ -17,6 +17,12 @@ Layouts (N = output features, K = input features, G = group, K % G == 0, K even)
     qweight  int8 [N, K]      q in -127..127
     scales   [N]              per output channel: w[n, k] = q[n, k] * scales[n]
     (the scale is applied to the float32 accumulator, once per output)
+  q8_blocks_linear(x, qweight, scales, mins)   GGUF's 8-bit block forms (quant.Q8Linear: Q8_0, and
+                              Q5_0, Q5_1, Q5_K, Q6_K as model/gguf_types.py stores them)
+    qweight  int8 [N, K]
+    scales   [N, K/S]         S = 32, or 16 (Q6_K): w[n, k] = q[n, k] * scales[n, k // S]
+    mins     [N, K/32] or None  + mins[n, k // 32] (Q5_1, Q5_K)
+    (dequantized per tile in float32, then rounded to x's dtype, as int4)
 
 Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); BLOCK_M = 16 for decode-sized M (tl.dot's minimum)
 up to 64, BLOCK_N = 64, BLOCK_K = 64, K masked (a K that is a multiple of G but not of BLOCK_K is
@@ -133,6 +139,54 @@ def _int8_kernel(
     )
 
 
+@triton.jit
+def _q8_blocks_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_mn,
+    stride_ym,
+    SUB: tl.constexpr,
+    HAS_MINS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        xm = (rm[:, None] < M) & km[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+        wm = km[:, None] & (rn[None, :] < N)
+        q = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=wm, other=0)
+        s = tl.load(s_ptr + rn[None, :] * stride_sn + (rk // SUB)[:, None], mask=wm, other=0.0)
+        w = q.to(tl.float32) * s.to(tl.float32)
+        if HAS_MINS:
+            mn = tl.load(m_ptr + rn[None, :] * stride_mn + (rk // 32)[:, None], mask=wm, other=0.0)
+            w = w + mn.to(tl.float32)
+        w = w.to(x.dtype)
+        if DOT_F32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
 def int4_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
@@ -173,5 +227,34 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) ->
         _int8_kernel[(triton.cdiv(m, bm), triton.cdiv(n, BLOCK_N))](
             x, qweight, scales, y, m, n, k, x.stride(0), qweight.stride(0), y.stride(0),
             DOT_F32=_dot_f32(x), BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )  # fmt: skip
+    return y
+
+
+def q8_blocks_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype, w = qweight * scales per 16 or 32 (+ mins per 32)."""
+    op = "q8_blocks_linear"
+    sizes = check_tensor(op, "x", x, ("M", "K"))
+    k = sizes["K"]
+    sub = k // scales.shape[-1] if scales.dim() == 2 and scales.shape[-1] else 0
+    if sub not in (16, 32) or k % 32:
+        raise ValueError(f"{op}: scales {tuple(scales.shape)} are not one per 16 or 32 of K={k}")
+    sizes.update({"K/S": k // sub, "K/32": k // 32})
+    check_tensor(op, "qweight", qweight, ("N", "K"), sizes, dtypes=(torch.int8,))
+    check_tensor(op, "scales", scales, ("N", "K/S"), sizes, dtypes=FLOAT_DTYPES)
+    if mins is not None:
+        check_tensor(op, "mins", mins, ("N", "K/32"), sizes, dtypes=FLOAT_DTYPES)
+    m, n = sizes["M"], sizes["N"]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        bm = _block_m(m)
+        mp = scales if mins is None else mins  # not read without mins
+        _q8_blocks_kernel[(triton.cdiv(m, bm), triton.cdiv(n, BLOCK_N))](
+            x, qweight, scales, mp, y, m, n, k,
+            x.stride(0), qweight.stride(0), scales.stride(0), mp.stride(0), y.stride(0),
+            SUB=sub, HAS_MINS=mins is not None, DOT_F32=_dot_f32(x),
+            BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         )  # fmt: skip
     return y

@@ -1,5 +1,6 @@
 """The Triton weight-only int4 / int8 projections (triton_quant.py) and Int4Linear / Int8Linear on
-their Triton path, on the CPU under TRITON_INTERPRET=1 (set before triton is first imported).
+their Triton path, on the CPU under TRITON_INTERPRET=1 (set before triton is first imported); also
+GGUF's 8-bit block forms (q8_blocks_linear: scales per 32 or 16, mins) and Q8Linear over them.
 
 Oracle: F.linear in float32 over the dequantized weight (w rounded to the activation dtype for int4,
 as the kernel feeds tl.dot with it), on the activation's values. Tolerance on max |y - ref|:
@@ -34,11 +35,12 @@ from pipeserve.model.quant import (
     NIBBLE_LAYOUT,
     Int4Linear,
     Int8Linear,
+    Q8Linear,
     pack_nibbles,
     quantize_int4,
     unpack_nibbles,
 )
-from pipeserve_kernels.triton_quant import BLOCK_K, int4_linear, int8_linear
+from pipeserve_kernels.triton_quant import BLOCK_K, int4_linear, int8_linear, q8_blocks_linear
 
 RUN = Path(__file__).with_name("engine_run.py")
 MAX_TOKENS = 5
@@ -94,6 +96,43 @@ def test_int8_linear_matches_the_dequantized_weight(m: int, n: int, k: int, dtyp
     got = int8_linear(x, q, s)
     assert got.dtype == dtype
     close(got, F.linear(x.float(), q.float() * s.float()[:, None]))
+
+
+def q8_blocks_case(n: int, k: int, sub: int, mins: bool, seed: int):
+    """GGUF's 8-bit block forms: q int8, scales per `sub` (32; 16: Q6_K), mins per 32 (Q5_1, Q5_K)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, k // sub, generator=g) * 0.01 + 1e-3
+    m = (torch.rand(n, k // 32, generator=g) - 0.5) * 0.1 if mins else None
+    w = (q.float().reshape(n, -1, sub) * s[..., None]).reshape(n, k)
+    if m is not None:
+        w = (w.reshape(n, -1, 32) + m[..., None]).reshape(n, k)
+    return q, s, m, w
+
+
+@pytest.mark.parametrize(("sub", "mins"), [(32, False), (32, True), (16, False)])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (5, 70, 160), (64, 20, 256)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q8_blocks_linear_matches_the_dequantized_weight(
+    m: int, n: int, k: int, sub: int, mins: bool, dtype
+) -> None:
+    q, s, mn, w = q8_blocks_case(n, k, sub, mins, seed=m + sub)
+    x = randn(m, k, seed=m).to(dtype)
+    got = q8_blocks_linear(x, q, s, mn)
+    assert got.dtype == dtype
+    close(got, F.linear(x.float(), w.to(dtype).float()))
+
+
+def test_gguf_8_bit_blocks_on_the_triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q8Linear (a Q6_K or Q5_K tensor's form) computes with the Triton kernel where it runs."""
+    monkeypatch.setattr(pipeserve_kernels, "BACKEND", "triton")
+    for sub, mins in ((16, False), (32, True)):
+        q, s, mn, w = q8_blocks_case(24, 64, sub, mins, seed=9)
+        bias = randn(24, seed=10)
+        lin = Q8Linear(q, s, bias, torch.float32, mins=mn, fallback=True)
+        assert torch.equal(lin.dequantized(), w)
+        x = randn(2, 3, 64, seed=11)
+        close(lin(x), F.linear(x, w, bias))
 
 
 def test_nibble_order() -> None:
@@ -159,6 +198,10 @@ def test_refusals() -> None:
         int8_linear(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
     with pytest.raises(ValueError, match="qweight must have dtype"):
         int8_linear(x, torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8))
+    with pytest.raises(ValueError, match="not one per 16 or 32"):
+        q8_blocks_linear(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 8))
+    with pytest.raises(ValueError, match=r"mins must be \[N, K/32\]"):
+        q8_blocks_linear(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), torch.ones(8, 4))
 
 
 def dequantized_checkpoint(model: Path, out: Path, group: int) -> Path:

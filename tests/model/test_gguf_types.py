@@ -7,7 +7,8 @@ One GGUF file holds a [24, 512] tensor of every block type, written by the proje
   the served weight differs only by rounding scale and zero to bfloat16 (the kernel's type);
 * the served projection computes x @ W^T with the weight it claims, at decode and prefill row
   counts (x rounded to int16 per 32 by the kernels: 1e-3 of the largest output);
-* without the native kernels the 8-bit forms dequantize per call into torch's product, said once.
+* without the native kernels (PIPESERVE_KERNELS=torch) the 8-bit forms dequantize per call into
+  torch's product, said once (CUDA: tests/kernels/test_triton_quant.py).
 A file with a type outside the served ones is refused before anything is written, naming the
 type and the supported ones (the CLI: exit 2, no traceback).
 """
@@ -102,7 +103,7 @@ def test_without_native_kernels_the_8_bit_forms_dequantize_per_call(
     from pipeserve.model import quant
 
     module = _served(qtype, read_blocks(tensors[qtype]))
-    module._kernels = None  # as built where the native kernels are off (PIPESERVE_KERNELS=torch, CUDA)
+    module._kernels = None  # as built where the native kernels are off (PIPESERVE_KERNELS=torch)
     quant._fallback_once.cache_clear()
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="pipeserve.model.quant"):

@@ -290,9 +290,10 @@ class Q8Linear(nn.Module):
 
     Q8_0 is built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF
     file's Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float
-    weight ~4x finer. The GGUF forms also serve elsewhere (`fallback`): the exact weight dequantized
-    per call into torch's product (CUDA, PIPESERVE_KERNELS=torch), said once in the log. A tied GGUF
-    head shares the embedding's blocks (one copy of the vocabulary matrix).
+    weight ~4x finer. The GGUF forms also serve elsewhere (`fallback`): on CUDA (or under
+    PIPESERVE_KERNELS=triton) triton_quant.q8_blocks_linear; under PIPESERVE_KERNELS=torch the exact
+    weight dequantized per call into torch's product, said once in the log. A tied GGUF head shares
+    the embedding's blocks (one copy of the vocabulary matrix).
     """
 
     qweight: torch.Tensor
@@ -352,6 +353,12 @@ class Q8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if triton_path(x.device):
+            from pipeserve_kernels.triton_quant import q8_blocks_linear
+
+            y = q8_blocks_linear(x2.contiguous(), self.qweight, self.scales, self.mins)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+            return y.to(self.out_dtype).reshape(*shape[:-1], -1)
         if self._kernels is not None and x.device.type == "cpu":
             y = self._kernels.int8_linear(x2.float(), self.qweight, self.scales, self.bias, self.mins)
             return y.to(self.out_dtype).reshape(*shape[:-1], -1)
@@ -364,8 +371,8 @@ class Q8Linear(nn.Module):
 @functools.cache
 def _fallback_once() -> None:
     log.warning(
-        "8-bit GGUF blocks (Q5_0/Q5_1/Q5_K/Q6_K form) without the native CPU kernels: each projection "
-        "dequantizes its exact weight per call into torch's product (no Triton kernel reads this form)"
+        "8-bit GGUF blocks (Q5_0/Q5_1/Q5_K/Q6_K form) without the native or Triton kernels "
+        "(PIPESERVE_KERNELS=torch): each projection dequantizes its exact weight per call for torch"
     )
 
 
