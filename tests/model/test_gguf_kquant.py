@@ -158,3 +158,20 @@ def test_16_bit_files_are_served_dense(hf_dirs, tmp_path: Path, mix: str) -> Non
     assert served.weight_bytes() == dense.weight_bytes()
     for (name, a), (_, b) in zip(served.named_parameters(), dense.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_q4_k_m_is_the_same_for_every_pipeline_size(hf_dirs, tmp_path: Path) -> None:
+    """Each stage serves its own layers' blocks (the head's Q6_K on the last): S=2 decodes what S=1 does."""
+    from pipeserve.entrypoints.llm import LLM
+    from pipeserve.sampling_params import SamplingParams
+
+    _, out = _converted(hf_dirs[False], "Q4_K_M", tmp_path)
+    prompts = [[5, 9, 13, 21, 34], list(range(40, 80)), [7] * 19]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for stages in (1, 2):
+        with LLM(str(out), stages=stages, quantization="gguf") as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+    assert runs[0] == runs[1]
+    assert all(len(ids) == 12 for ids in runs[0])
