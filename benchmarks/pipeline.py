@@ -89,7 +89,7 @@ def stage_bounds(engine: Any, path: Path) -> list[dict[str, int]]:
     cfg, config = engine.model_config, engine.config
     sizes = tensor_bytes(path)
     out = []
-    for rank, (lo, hi) in enumerate(layer_split(config, cfg.num_layers)):
+    for rank, (lo, hi) in enumerate(layer_split(config, cfg)):
         spec = StageSpec(rank, config.stages, lo, hi)
         weights = sum(sizes[n] for n in stage_tensor_names(cfg, spec))
         pool = block_bytes(cfg, hi - lo, config.block_size) * engine.num_total_blocks

@@ -1,4 +1,5 @@
-"""Shared fixtures: demo checkpoints written per session, and the HF oracle."""
+"""Shared fixtures: demo checkpoints written per session (llama, qwen2), checkpoints transformers
+creates for the other architectures (arch_support.py), and the HF oracle."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_support import write_hf_checkpoint
 
 from metrics_support import live_scrape  # noqa: F401  (a session fixture: one live scrape for tests/obs)
 from pipeserve import LLM
@@ -35,7 +37,22 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("qwen2"), DemoSpec(arch="qwen2"))
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3")
+
+
+# Every architecture of the registry with a checkpoint fixture above: the engine's correctness tests
+# run on each (tests/engine/test_engine_correctness.py).
+ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3"]
+
+
+@pytest.fixture(scope="session", params=ARCH_FIXTURES)
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -57,9 +57,9 @@ MUTANTS = [
     ),
     (
         "rope scaling ignored",
-        "services/pipeserve/model/config.py",
-        "        if self.rope_scaling is None:\n            return inv",
-        "        if True:\n            return inv",
+        "services/pipeserve/model/rope.py",
+        "    if s is None:\n        return inv, 1.0",
+        "    if True:\n        return inv, 1.0",
         "tests/model/test_loader.py -k rope",
     ),
     (
@@ -1755,6 +1755,55 @@ MUTANTS = [
         "    check_types(reader.tensors)\n",
         "\n",
         "tests/model/test_gguf_types.py -k unserved",
+    ),
+    (
+        "qwen3's q/k norm dropped",
+        "services/pipeserve/model/layers.py",
+        "        if self.q_norm is not None and self.k_norm is not None:",
+        "        if False:",
+        "tests/model/test_arch.py -k qwen3_head_dim",
+    ),
+    (
+        "phi3's fused qkv split in the wrong order",
+        "services/pipeserve/model/arch/phi3.py",
+        'Fused("self_attn.qkv_proj.weight", ("q", "k", "v"),',
+        'Fused("self_attn.qkv_proj.weight", ("q", "v", "k"),',
+        "tests/model/test_arch.py -k phi3_reads",
+    ),
+    (
+        "phi3's fused gate_up split in the wrong order",
+        "services/pipeserve/model/arch/phi3.py",
+        'Fused("mlp.gate_up_proj.weight", ("gate", "up"),',
+        'Fused("mlp.gate_up_proj.weight", ("up", "gate"),',
+        "tests/model/test_arch.py -k phi3_reads",
+    ),
+    (
+        "yarn's attention factor ignored",
+        "services/pipeserve/model/rope.py",
+        "        return _yarn(theta, dim, s)",
+        "        return _yarn(theta, dim, s)[0], 1.0",
+        "tests/model/test_arch.py -k yarn",
+    ),
+    (
+        "longrope's short factors ignored",
+        "services/pipeserve/model/rope.py",
+        "        return 1.0 / (ext * theta**shape), _longrope_attention(cfg, s)",
+        "        return 1.0 / (theta**shape), _longrope_attention(cfg, s)",
+        "tests/model/test_arch.py -k longrope",
+    ),
+    (
+        "the native decode step taken for a layer it lacks a part of (qwen3's q/k norm)",
+        "services/pipeserve/model/stage_model.py",
+        '        if "native" in gaps:',
+        "        if False:",
+        "tests/model/test_arch.py -k native",
+    ),
+    (
+        "longrope served past its original length",
+        "services/pipeserve/ring/build.py",
+        "    if exact is not None and exact < limit:",
+        "    if False:",
+        "tests/model/test_arch.py -k longrope",
     ),
 ]
 

@@ -76,8 +76,9 @@ def test_tied_embeddings_match_hf(tmp_path: Path) -> None:
             }
         },
         {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
     ],
-    ids=["llama3", "linear"],
+    ids=["llama3", "linear", "yarn"],
 )
 def test_rope_scaling_matches_hf(llama_dir: Path, tmp_path: Path, changes: dict) -> None:
     path = _variant(llama_dir, tmp_path / "rope", **changes)
@@ -134,11 +135,14 @@ def test_stage_reads_only_its_tensors(llama_dir: Path) -> None:
 
 def test_clear_errors(llama_dir: Path, tmp_path: Path) -> None:
     gpt = _variant(llama_dir, tmp_path / "gpt2", model_type="gpt2")
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'"):
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'gpt2'; supported: llama, .*phi3"):
         LLM(str(gpt))
-    rope = _variant(llama_dir, tmp_path / "yarn", rope_scaling={"type": "yarn", "factor": 2.0})
-    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'"):
+    rope = _variant(llama_dir, tmp_path / "dynamic", rope_scaling={"type": "dynamic", "factor": 2.0})
+    with pytest.raises(ModelLoadError, match=r"unsupported rope type 'dynamic'; supported: .*yarn"):
         LLM(str(rope))
+    yarn = _variant(llama_dir, tmp_path / "yarn", rope_scaling={"type": "yarn"})
+    with pytest.raises(ModelLoadError, match="rope type 'yarn' lacks factor"):
+        LLM(str(yarn))
     noweights = _variant(llama_dir, tmp_path / "noweights")
     (noweights / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"expected model.safetensors or model.safetensors.index.json"):

@@ -55,18 +55,18 @@ def run_and_check(model_dir: Path, stages: int) -> None:
         assert all(r.num_reqs == 0 and r.blocks_held == 0 for r in eng.stage_reports)
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_matches_hf_llama(llama_dir: Path, stages: int) -> None:
-    run_and_check(llama_dir, stages)
+# (architecture, S): the demo checkpoints (llama, qwen2) up to 4 stages; those transformers creates
+# for the other registered architectures (conftest.py) for 1 to 3.
+CASES = [
+    *[(arch, s) for arch in ("llama", "qwen2") for s in (2, 3, 4)],
+    ("llama", 1),
+    *[(arch, s) for arch in ("qwen3", "phi3") for s in (1, 2, 3)],
+]
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_pipeline_matches_hf_qwen2(qwen2_dir: Path, stages: int) -> None:
-    run_and_check(qwen2_dir, stages)
-
-
-def test_one_stage_matches_hf_with_the_same_workload(llama_dir: Path) -> None:
-    run_and_check(llama_dir, 1)
+@pytest.mark.parametrize(("arch", "stages"), CASES)
+def test_pipeline_matches_hf(request: pytest.FixtureRequest, arch: str, stages: int) -> None:
+    run_and_check(request.getfixturevalue(f"{arch}_dir"), stages)
 
 
 def test_seeded_sampling_is_the_same_for_every_pipeline_size(llama_dir: Path) -> None:

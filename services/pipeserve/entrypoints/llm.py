@@ -71,7 +71,7 @@ class LLM:
         else:
             config = local_group_config(config)
             # A split that cannot work fails here, before any process is started.
-            layer_split(config, ModelConfig.from_dir(config.model, config.dtype).num_layers)
+            layer_split(config, ModelConfig.from_dir(config.model, config.dtype))
             self.group = LocalGroup(config)
             self.group.start()
             try:

@@ -1,13 +1,15 @@
 """ModelConfig: the parts of an HF `config.json` the engine needs, validated.
 
 Accepts both the transformers 4.x (`rope_theta` + `rope_scaling`, `torch_dtype`)
-and 5.x (`rope_parameters`, `dtype`) spellings.
+and 5.x (`rope_parameters`, `dtype`) spellings. The fields every architecture has
+(sizes, heads, rope, dtype, EOS ids) are parsed here; what one architecture adds
+(biases, q/k norms, its sliding window, its activation) is parsed by its module
+in model/arch/ (the registry names the supported `model_type`s).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +17,14 @@ import torch
 
 from pipeserve.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Keys each rope type needs besides rope_theta (rope.py's math reads them).
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+}
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -51,8 +59,17 @@ class ModelConfig:
     attention_bias: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the smallest window of any layer; None: full attention
+    hidden_act: str = "silu"  # the gated MLP's activation (layers.GATED_ACTIVATIONS)
+    qk_norm: bool = False  # RMSNorm over each q/k head before rotary (qwen3)
+    attention_out_bias: bool = False  # o_proj has a bias
+    mlp_bias: bool = False  # gate/up/down have biases
+    rotary_dim: int = 0  # the leading features of a head that rotate (partial_rotary_factor); 0: head_dim
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
@@ -67,14 +84,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, gen: dict | None = None, dtype: str | None = None) -> ModelConfig:
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+        from pipeserve.model.arch import get_arch
+
+        arch = get_arch(raw.get("model_type"))  # ModelLoadError naming the supported ones
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
         missing = [k for k in (*required, "num_attention_heads") if k not in raw]
         if missing:
@@ -84,28 +96,15 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
         if heads % kv_heads:
             raise ModelLoadError(f"num_attention_heads {heads} not divisible by kv heads {kv_heads}")
-        rope = dict(raw.get("rope_parameters") or {})
-        scaling = raw.get("rope_scaling")
-        if scaling:
-            rope.update(scaling)
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(
-                f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        theta, rope_scaling, rotary = _rope(raw, head_dim, arch.rope_aliases)
         dtype_name = dtype or raw.get("dtype") or raw.get("torch_dtype") or "float32"
         eos: list[int] = []
         for src in (raw.get("eos_token_id"), (gen or {}).get("eos_token_id")):
             for tid in src if isinstance(src, list) else [src]:
                 if tid is not None and int(tid) not in eos:
                     eos.append(int(tid))
-        window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            window = None
         return cls(
-            model_type=model_type,
+            model_type=raw["model_type"],
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
@@ -118,30 +117,42 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             dtype=parse_dtype(str(dtype_name)),
             eos_token_ids=tuple(eos),
-            sliding_window=int(window) if window else None,
+            rotary_dim=rotary,
             raw=raw,
+            **arch.config(raw),  # attention_bias, sliding_window, ...: the arch's own fields
         )
 
-    def inv_freq(self) -> torch.Tensor:
-        """Rotary inverse frequencies [head_dim/2], float32, with rope scaling applied."""
-        d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
-        if self.rope_scaling is None:
-            return inv
-        s = self.rope_scaling
-        if s["rope_type"] == "linear":
-            return inv / float(s["factor"])
-        # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
-        factor = float(s["factor"])
-        low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s.get("original_max_position_embeddings", self.max_position_embeddings))
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
+
+def _rope(raw: dict, head_dim: int, aliases: dict[str, str]) -> tuple[float, dict | None, int]:
+    """(rope_theta, the scaling dict rope.py reads or None, rotary_dim), resolved as transformers'
+    standardize_rope_params does (a top-level original_max_position_embeddings wins)."""
+    rope = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        rope.update(scaling)
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+    rope_type = aliases.get(rope_type, rope_type)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary = int(head_dim * partial)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ModelLoadError(f"partial_rotary_factor {partial} gives {rotary} rotary features of {head_dim}")
+    if rope_type == "default":
+        return theta, None, rotary
+    lacking = [k for k in _ROPE_KEYS[rope_type] if rope.get(k) is None]
+    if lacking:
+        raise ModelLoadError(f"rope type {rope_type!r} lacks {', '.join(lacking)}")
+    old_len = raw.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    old_len = int(old_len or raw.get("max_position_embeddings", 2048))
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(rope[key]) != rotary // 2:
+                n = len(rope[key])
+                raise ModelLoadError(f"longrope {key} has {n} values for {rotary // 2} frequencies")
+    return theta, {**rope, "rope_type": rope_type, "original_max_position_embeddings": old_len}, rotary

@@ -139,30 +139,38 @@ def _token_id(tok: Tokenizer, token: str) -> int:
 _DEFAULT_SPEC = DemoSpec()  # frozen: one shared default is safe
 
 
-def write_demo_model(out_dir: str | Path, spec: DemoSpec = _DEFAULT_SPEC) -> Path:
-    """Write the checkpoint for `spec` into `out_dir` (created if needed)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(spec.vocab, spec.bos)
+def write_tokenizer(out: Path, vocab_size: int, bos: bool, max_len: int) -> tuple[int, list[int], int | None]:
+    """tokenizer.json, tokenizer_config.json (and chat_template.jinja with `bos`) into `out`;
+    returns (vocabulary size, EOS ids, BOS id). Also what tests write beside checkpoints that
+    transformers creates (tests/arch_support.py)."""
+    tok = train_tokenizer(vocab_size, bos)
     vocab = tok.get_vocab_size()  # the corpus may yield fewer merges than asked
     eos_ids = [_token_id(tok, EOS_TOKEN), _token_id(tok, IM_END)]
-    bos_id = tok.token_to_id(BOS_TOKEN) if spec.bos else None
+    bos_id = tok.token_to_id(BOS_TOKEN) if bos else None
     tok.save(str(out / "tokenizer.json"))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
-        "bos_token": BOS_TOKEN if spec.bos else None,
+        "bos_token": BOS_TOKEN if bos else None,
         "unk_token": None,
-        "add_bos_token": spec.bos,
-        "model_max_length": spec.max_position_embeddings,
+        "add_bos_token": bos,
+        "model_max_length": max_len,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
     }
-    if spec.bos:  # transformers 5's layout: the template in its own file
+    if bos:  # transformers 5's layout: the template in its own file
         del tok_cfg["chat_template"]
         (out / "chat_template.jinja").write_text(BOS_CHAT_TEMPLATE)
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return vocab, eos_ids, bos_id
+
+
+def write_demo_model(out_dir: str | Path, spec: DemoSpec = _DEFAULT_SPEC) -> Path:
+    """Write the checkpoint for `spec` into `out_dir` (created if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, eos_ids, bos_id = write_tokenizer(out, spec.vocab, spec.bos, spec.max_position_embeddings)
     (out / "config.json").write_text(json.dumps(_config(spec, vocab, eos_ids, bos_id), indent=2) + "\n")
     gen_cfg = {"eos_token_id": eos_ids, "pad_token_id": eos_ids[0], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")

@@ -48,22 +48,15 @@ import torch
 from safetensors.torch import save_file
 
 from pipeserve.errors import ModelLoadError
+from pipeserve.model.arch import gguf_architectures
 from pipeserve.obs.progress import Progress
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp architecture -> its Arch (model/arch/: an Arch's `gguf` spec names its file's tensors).
+_GGUF_ARCHES = gguf_architectures()
+SUPPORTED_ARCHITECTURES = tuple(_GGUF_ARCHES)
 
 # GGUF name (per block: `blk.N.` + key) -> HF name (per layer: `model.layers.N.` + value).
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
+_BLOCK_NAMES = _GGUF_ARCHES["llama"].gguf.block_names
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

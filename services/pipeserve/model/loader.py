@@ -2,9 +2,10 @@
 
 Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`)
 checkpoints; a stage opens only the shards that hold its tensors and reads only
-those tensors. q/k/v and gate/up are concatenated into the fused projections
-of `layers.py`. Every parameter of the stage must be filled, or loading fails
-naming the missing tensor.
+those tensors, by the names the architecture's module gives (model/arch/): q/k/v
+and gate/up are concatenated into the fused projections of `layers.py`, or taken
+from a checkpoint that fuses them already (phi3). Every parameter of the stage
+must be filled, or loading fails naming the missing tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import xxhash
 from safetensors import safe_open
 
 from pipeserve.errors import ModelLoadError
+from pipeserve.model.arch import get_arch
+from pipeserve.model.arch.base import EMBED, HEAD, LAYER_PREFIX, NORM, Fused, checkpoint_names, part_sizes
+from pipeserve.model.arch.base import balanced_layer_split as balanced_layer_split  # the default split
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf_blocks import GgufBlocks
 from pipeserve.model.gguf_blocks import install as install_blocks
@@ -29,19 +33,6 @@ from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
 
 log = logging.getLogger(__name__)
-
-
-def balanced_layer_split(num_layers: int, world_size: int) -> list[tuple[int, int]]:
-    """Contiguous ranges, sizes differing by at most one, larger ones first."""
-    if world_size > num_layers:
-        raise ModelLoadError(f"{world_size} stages for {num_layers} layers: each stage needs a layer")
-    base, extra = divmod(num_layers, world_size)
-    out, lo = [], 0
-    for r in range(world_size):
-        hi = lo + base + (1 if r < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:
@@ -96,21 +87,15 @@ def model_fingerprint(
 
 
 def stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:
-    names = []
-    if stage.is_first:
-        names.append("model.embed_tokens.weight")
+    """The checkpoint tensors `stage` reads: its layers' (the arch's weight names), the embedding on
+    the first stage, the final norm and head on the last."""
+    names = [EMBED] if stage.is_first else []
+    sources = get_arch(cfg.model_type).weights(cfg)
     for i in range(stage.layer_lo, stage.layer_hi):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q", "k", "v"):
-            names.append(p + f"self_attn.{proj}_proj.weight")
-            if cfg.attention_bias:
-                names.append(p + f"self_attn.{proj}_proj.bias")
-        names += [p + "self_attn.o_proj.weight"]
-        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        prefix = LAYER_PREFIX.format(i)
+        names += [prefix + n for source in sources.values() for n in checkpoint_names(source)]
     if stage.is_last:
-        names.append("model.norm.weight")
-        names.append("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        names += [NORM, EMBED if cfg.tie_word_embeddings else HEAD]
     return list(dict.fromkeys(names))
 
 
@@ -202,20 +187,19 @@ def _fuse(t: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dic
         params[dst] = torch.cat([t.pop(s) for s in src])
 
     if stage.is_first:
-        put("embed_tokens.weight", "model.embed_tokens.weight")
+        put("embed_tokens.weight", EMBED)
+    sources, sizes = get_arch(cfg.model_type).weights(cfg), part_sizes(cfg)
     for local, i in enumerate(range(stage.layer_lo, stage.layer_hi)):
-        src, dst = f"model.layers.{i}.", f"layers.{local}."
-        put(dst + "input_layernorm.weight", src + "input_layernorm.weight")
-        put(dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight")
-        put(dst + "self_attn.qkv_proj.weight", *(src + f"self_attn.{p}_proj.weight" for p in "qkv"))
-        if cfg.attention_bias:
-            put(dst + "self_attn.qkv_proj.bias", *(src + f"self_attn.{p}_proj.bias" for p in "qkv"))
-        put(dst + "self_attn.o_proj.weight", src + "self_attn.o_proj.weight")
-        put(dst + "mlp.gate_up_proj.weight", src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
-        put(dst + "mlp.down_proj.weight", src + "mlp.down_proj.weight")
+        src, dst = LAYER_PREFIX.format(i), f"layers.{local}."
+        for param, source in sources.items():
+            if isinstance(source, Fused):  # one checkpoint tensor, its parts put in the layer's order
+                if src + source.name in t:
+                    params[dst + param] = source.reorder(t.pop(src + source.name), sizes)
+            else:
+                put(dst + param, *(src + n for n in source.names))
     if stage.is_last:
-        put("norm.weight", "model.norm.weight")
-        put("lm_head.weight", "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        put("norm.weight", NORM)
+        put("lm_head.weight", EMBED if cfg.tie_word_embeddings else HEAD)
     return params
 
 

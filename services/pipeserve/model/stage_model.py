@@ -2,20 +2,27 @@
 
 Stage 0 owns the embedding, every stage a contiguous range of decoder layers
 [layer_lo, layer_hi), the last stage the final norm and lm_head. With one stage
-it is the whole model. forward() maps token ids (first stage) or hidden states
+it is the whole model. Its decoder layers are its architecture's (model/arch/: layer i of the
+model is `arch.layer(cfg, i)`). forward() maps token ids (first stage) or hidden states
 (others) of the step's T rows to hidden states [T, hidden].
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from pipeserve.model.arch import get_arch
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear, RMSNorm, RotaryTable
+from pipeserve.model.layers import AttentionBatch, Linear, RMSNorm
 from pipeserve.model.native_decode import NativeDecoder
+from pipeserve.model.quant import native_kernels
+from pipeserve.model.rope import RotaryTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,8 @@ class StageModel(nn.Module):
             if stage.is_first
             else None
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(stage.num_layers))
+        arch = get_arch(cfg.model_type)
+        self.layers = nn.ModuleList(arch.layer(cfg, i) for i in range(stage.layer_lo, stage.layer_hi))
         self.rotary = RotaryTable(cfg, max_len)
         if stage.is_last:
             self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -77,7 +85,21 @@ class StageModel(nn.Module):
 
     def use_native_decode(self) -> bool:
         """Serve small decode-only steps with native_decode.NativeDecoder where this stage's layers
-        allow it (every projection one the native kernels read); once, after loading. Returns whether."""
+        allow it (every projection one the native kernels read, a layer decode.c implements: the arch
+        says, arch.unsupported); once, after loading. Returns whether. A gap is said once in the log."""
+        gaps = get_arch(self.cfg.model_type).unsupported(self.cfg)
+        device = next(self.parameters()).device
+        if "triton" in gaps and device.type == "cuda":
+            log.info("stage %d: %s: PyTorch on CUDA (no Triton kernel)", self.stage.rank, gaps["triton"])
+        if "native" in gaps:
+            if native_kernels() is not None and device.type == "cpu":
+                log.info(
+                    "stage %d: decode steps run the PyTorch layers: the native decode step lacks %s (%s)",
+                    self.stage.rank,
+                    gaps["native"],
+                    self.cfg.model_type,
+                )
+            return False
         self.native = NativeDecoder.for_model(list(self.layers), self.cfg.rms_norm_eps)  # type: ignore[arg-type]
         return self.native is not None
 

@@ -20,8 +20,10 @@ from pipeserve.errors import ConfigError
 from pipeserve.hicache.assemble import build_stage_tiers, l3_fingerprint, page_layouts
 from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.stage_tiers import StageTiers
+from pipeserve.model.arch import get_arch
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.loader import balanced_layer_split, load_stage_model, model_fingerprint
+from pipeserve.model.loader import load_stage_model, model_fingerprint
+from pipeserve.model.rope import exact_context
 from pipeserve.model.stage_model import StageSpec
 from pipeserve.ring.faults import Faults
 from pipeserve.ring.group import (
@@ -47,6 +49,11 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
         # Attention here is full-context; capping at the window keeps it exact.
         log.warning("capping max_model_len at sliding_window=%d", cfg.sliding_window)
         limit = cfg.sliding_window
+    exact = exact_context(cfg)
+    if exact is not None and exact < limit:
+        # longrope: past it transformers rotates the whole sequence anew (model/rope.py).
+        log.warning("capping max_model_len at original_max_position_embeddings=%d (longrope)", exact)
+        limit = exact
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
@@ -54,10 +61,12 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def layer_split(config: EngineConfig, num_layers: int) -> list[tuple[int, int]]:
+def layer_split(config: EngineConfig, cfg: ModelConfig) -> list[tuple[int, int]]:
+    """Each stage's layer range: `layer_split` as configured, else the architecture's split."""
+    num_layers = cfg.num_layers
     split = config.split_ranges()
     if split is None:
-        return balanced_layer_split(num_layers, config.stages)
+        return get_arch(cfg.model_type).split(num_layers, config.stages)
     if split[-1][1] != num_layers:
         raise ConfigError(
             f"layer_split: {config.layer_split!r} does not cover the model's {num_layers} layers"
@@ -108,7 +117,7 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         torch.set_num_threads(config.num_threads)
     cfg = ModelConfig.from_dir(config.model, config.dtype)
     max_len = resolve_max_model_len(config, cfg)
-    split = layer_split(config, cfg.num_layers)
+    split = layer_split(config, cfg)
     spec = StageSpec(rank, config.stages, *split[rank])
     device = stage_device(config, rank)
     if device.type == "cuda":

@@ -49,7 +49,7 @@ from pipeserve.worker.model_runner import ModelRunner, PlanMismatch
 def recorder_for(stage: Stage) -> FlightRecorder:
     """The flight recorder of a stage of a ring, bounded and placed by its EngineConfig."""
     cfg: EngineConfig = stage.config
-    split = layer_split(cfg, stage.model_config.num_layers)
+    split = layer_split(cfg, stage.model_config)
     setup = StageSetup(
         ",".join(f"{lo}:{hi}" for lo, hi in split),
         cfg.block_size,
