@@ -1805,6 +1805,13 @@ MUTANTS = [
         "    if False:",
         "tests/model/test_arch.py -k longrope",
     ),
+    (
+        "partial rotary rotates a head's trailing features",
+        "services/pipeserve/model/layers.py",
+        "K.apply_rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)",
+        "K.apply_rotary(q[..., -r:].contiguous(), k[..., -r:].contiguous(), cos, sin)",
+        "tests/model/test_arch.py -k 'triton and phi3'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

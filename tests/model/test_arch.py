@@ -8,7 +8,11 @@ same checkpoints in tests/ring/test_pipeline_correctness.py and tests/engine/.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +135,24 @@ def test_the_native_step_is_used_only_where_the_arch_layer_allows_it(
         "stage 0: decode steps run the PyTorch layers: the native decode step lacks q/k RMSNorm (qwen3)"
     ]
     assert stage(phi3_dir).native is not None  # phi3's layer is llama's once its tensors are split
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config"),
+    [("qwen3", {}), ("phi3", {"partial_rotary_factor": 0.5})],
+    ids=["qwen3-qk-norm", "phi3-partial-rotary"],
+)
+def test_the_triton_path_runs_the_new_parts(tmp_path: Path, model_type: str, config: dict) -> None:
+    """Every op through the Triton kernels (interpreter mode, tests/kernels/engine_run.py's process):
+    q/k norms over head_dim rows, rotary over the leading half of each head; chunked prefill over a
+    cached prefix, block size 4. The ids are transformers'."""
+    path = write_hf_checkpoint(tmp_path / model_type, model_type, num_hidden_layers=2, **config)
+    prompts = [[5], [1, 2, 3, 4, 5], *random_prompts(1, 26, 26, 1024, seed=11)]
+    run = Path(__file__).resolve().parents[1] / "kernels" / "engine_run.py"
+    env = {**os.environ, "PIPESERVE_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    args = [sys.executable, str(run), str(path), "1", json.dumps(prompts), "6"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "triton"
+    assert out["ids"] == _hf(path, prompts, 6)
