@@ -91,7 +91,7 @@ def stage_bounds(engine: Any, path: Path) -> list[dict[str, int]]:
     out = []
     for rank, (lo, hi) in enumerate(layer_split(config, cfg)):
         spec = StageSpec(rank, config.stages, lo, hi)
-        weights = sum(sizes[n] for n in stage_tensor_names(cfg, spec))
+        weights = sum(sizes[n] for n in stage_tensor_names(cfg, spec, sizes))
         pool = block_bytes(cfg, hi - lo, config.block_size) * engine.num_total_blocks
         out.append(
             {"weights": weights, "pool": pool, "bound": int(1.25 * (weights + pool)) + RSS_SLACK_BYTES}

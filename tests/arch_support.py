@@ -33,6 +33,16 @@ TINY = {
 EXTRA: dict[str, dict] = {
     "qwen3": {"head_dim": 32},
     "phi3": {"sliding_window": None},
+    # 4 experts, top-2, experts 32 wide; layer 2 keeps the dense MLP (mlp_only_layers).
+    "qwen3_moe": {
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [2],
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
 }
 
 

@@ -47,9 +47,19 @@ def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("phi3"), "phi3")
 
 
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("mixtral"), "mixtral")
+
+
 # Every architecture of the registry with a checkpoint fixture above: the engine's correctness tests
 # run on each (tests/engine/test_engine_correctness.py).
-ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3"]
+ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"]
 
 
 @pytest.fixture(scope="session", params=ARCH_FIXTURES)

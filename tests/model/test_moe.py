@@ -1,20 +1,17 @@
 """The routed-experts MLP (model/moe.py) against transformers 5's own MoE blocks on the same weights.
 
 Both of transformers' expert implementations are the oracle: `eager` (a loop over the experts hit,
-index_add_) and `grouped_mm` (its default: sort by expert, grouped products). The per-expert layout
-transformers' `save_pretrained` writes is fused back with `fuse_expert_weights` and compared to the
-fused tensors transformers itself loads from it.
+index_add_) and `grouped_mm` (its default: sort by expert, grouped products). Checkpoint layouts
+and whole models are tested in test_arch_moe.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from pipeserve.model.moe import SparseMoE, fuse_expert_weights
+from pipeserve.errors import ModelLoadError
+from pipeserve.model.moe import MoeSpec, SparseMoE
 
 H, I_MOE, E, K_TOP = 64, 32, 4, 2
 
@@ -72,7 +69,7 @@ def _hf_block(family: str, norm_topk_prob: bool, impl: str) -> tuple[torch.nn.Mo
 
 
 def _ours(block: torch.nn.Module, renorm: bool, float_weights: bool) -> SparseMoE:
-    moe = SparseMoE(H, I_MOE, E, K_TOP, renorm, float_weights)
+    moe = SparseMoE(H, MoeSpec(E, K_TOP, I_MOE, renorm, float_weights))
     moe.gate.weight.data.copy_(block.gate.weight)
     moe.experts.gate_up_proj.data.copy_(block.experts.gate_up_proj)
     moe.experts.down_proj.data.copy_(block.experts.down_proj)
@@ -108,30 +105,6 @@ def test_single_token_and_unused_experts() -> None:
         torch.testing.assert_close(moe(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_fuse_per_expert_layout_as_transformers_loads_it(family: str, tmp_path: Path) -> None:
-    """save_pretrained writes the per-expert (v4) names; fusing them gives the tensors transformers
-    loads (gate rows before up rows, expert 0 first)."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = _mixtral_config() if family == "mixtral" else _qwen3_moe_config(True)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(tmp_path)
-    saved = load_file(tmp_path / "model.safetensors")
-    if family == "mixtral":
-        prefix, names = "model.layers.1.block_sparse_moe.experts", ("w1", "w3", "w2")
-    else:
-        prefix, names = "model.layers.1.mlp.experts", ("gate_proj", "up_proj", "down_proj")
-    gate, up, down = ([saved[f"{prefix}.{e}.{n}.weight"] for e in range(E)] for n in names)
-    gate_up, down_fused = fuse_expert_weights(gate, up, down)
-    experts = model.model.layers[1].mlp.experts
-    assert torch.equal(gate_up, experts.gate_up_proj.data)
-    assert torch.equal(down_fused, experts.down_proj.data)
-
-
 def test_bad_shapes_are_refused() -> None:
-    with pytest.raises(ValueError, match="top_k"):
-        SparseMoE(H, I_MOE, E, E + 1, True, True)
-    with pytest.raises(ValueError, match="disagree"):
-        fuse_expert_weights([torch.zeros(2, 2)], [], [torch.zeros(2, 2)])
+    with pytest.raises(ModelLoadError, match=r"num_experts_per_tok 5 must be in 1\.\.the number of experts"):
+        MoeSpec(E, E + 1, I_MOE, True, True)

@@ -14,6 +14,7 @@ import json
 import logging
 import struct
 from collections import defaultdict
+from collections.abc import Container
 from pathlib import Path
 
 import torch
@@ -22,7 +23,17 @@ from safetensors import safe_open
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.arch import get_arch
-from pipeserve.model.arch.base import EMBED, HEAD, LAYER_PREFIX, NORM, Fused, checkpoint_names, part_sizes
+from pipeserve.model.arch.base import (
+    EMBED,
+    HEAD,
+    LAYER_PREFIX,
+    NORM,
+    Either,
+    Fused,
+    Stack,
+    checkpoint_names,
+    part_sizes,
+)
 from pipeserve.model.arch.base import balanced_layer_split as balanced_layer_split  # the default split
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf_blocks import GgufBlocks
@@ -86,14 +97,18 @@ def model_fingerprint(
     return h.hexdigest()
 
 
-def stage_tensor_names(cfg: ModelConfig, stage: StageSpec) -> list[str]:
-    """The checkpoint tensors `stage` reads: its layers' (the arch's weight names), the embedding on
-    the first stage, the final norm and head on the last."""
+def stage_tensor_names(cfg: ModelConfig, stage: StageSpec, present: Container[str]) -> list[str]:
+    """The checkpoint tensors `stage` reads: its layers' (the arch's weight names; of a parameter
+    stored in more than one layout, the one the checkpoint's tensor names `present` hold), the
+    embedding on the first stage, the final norm and head on the last."""
     names = [EMBED] if stage.is_first else []
-    sources = get_arch(cfg.model_type).weights(cfg)
+    arch = get_arch(cfg.model_type)
     for i in range(stage.layer_lo, stage.layer_hi):
         prefix = LAYER_PREFIX.format(i)
-        names += [prefix + n for source in sources.values() for n in checkpoint_names(source)]
+        for source in arch.weights(cfg, i).values():
+            if isinstance(source, Either):
+                source = source.choose(lambda n, p=prefix: p + n in present)
+            names += [prefix + n for n in checkpoint_names(source)]
     if stage.is_last:
         names += [NORM, EMBED if cfg.tie_word_embeddings else HEAD]
     return list(dict.fromkeys(names))
@@ -143,7 +158,7 @@ def read_stage_tensors(
     logged every few seconds (obs/progress.py)."""
     path = Path(model_dir)
     files = _weight_files(path)
-    wanted = [n for n in stage_tensor_names(cfg, stage) if n not in skip]
+    wanted = [n for n in stage_tensor_names(cfg, stage, files) if n not in skip]
     missing = [n for n in wanted if n not in files]
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {', '.join(missing[:5])}")
@@ -188,11 +203,19 @@ def _fuse(t: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dic
 
     if stage.is_first:
         put("embed_tokens.weight", EMBED)
-    sources, sizes = get_arch(cfg.model_type).weights(cfg), part_sizes(cfg)
+    arch, sizes = get_arch(cfg.model_type), part_sizes(cfg)
     for local, i in enumerate(range(stage.layer_lo, stage.layer_hi)):
         src, dst = LAYER_PREFIX.format(i), f"layers.{local}."
-        for param, source in sources.items():
-            if isinstance(source, Fused):  # one checkpoint tensor, its parts put in the layer's order
+        for param, source in arch.weights(cfg, i).items():
+            if isinstance(source, Either):  # the layout the stage read (stage_tensor_names chose it)
+                source = source.choose(lambda n, p=src: p + n in t)
+            if isinstance(source, Stack):  # per-expert tensors -> [E, ...], each expert's parts in order
+                names = [src + n for n in source.names()]
+                if all(n in t for n in names):
+                    k = len(source.parts)  # names: expert 0's parts, then expert 1's, ...
+                    per_expert = (names[j : j + k] for j in range(0, len(names), k))
+                    params[dst + param] = torch.stack([torch.cat([t.pop(n) for n in e]) for e in per_expert])
+            elif isinstance(source, Fused):  # one checkpoint tensor, its parts put in the layer's order
                 if src + source.name in t:
                     params[dst + param] = source.reorder(t.pop(src + source.name), sizes)
             else:

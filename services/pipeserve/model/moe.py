@@ -10,17 +10,20 @@ sorted by expert; each expert that got tokens runs one gate_up product, SiLU-and
 product over its contiguous rows; each row is scaled by its routing weight, put back in (token,
 slot) order and the k slots of a token summed. Experts no token picked cost nothing.
 
-Weights (what every layout is turned into): `gate_up_proj` [E, 2I, H] (gate rows first, then up)
-and `down_proj` [E, H, I], transformers 5's fused `experts.*` tensors; `fuse_expert_weights` builds
-them from the per-expert tensors older checkpoints (and transformers' own `save_pretrained`) carry.
+Weights: `gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and `down_proj`
+[E, H, I], transformers 5's fused `experts.*` tensors; the loader stacks them from the per-expert
+tensors of older checkpoints (and of transformers' own `save_pretrained`): arch/routed.py.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import pipeserve_kernels as K
+from pipeserve.errors import ModelLoadError
 
 
 class TopKRouter(nn.Module):
@@ -30,8 +33,6 @@ class TopKRouter(nn.Module):
         self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, float_weights: bool
     ) -> None:
         super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"top_k {top_k} must be in 1..num_experts ({num_experts})")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
@@ -81,36 +82,40 @@ class Experts(nn.Module):
         return unsorted.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class MoeSpec:
+    """An MoE model's routed experts, as its architecture module reads them from config.json.
+
+    dense_layers: the layers whose MLP is the dense gated MLP instead (qwen3_moe's `mlp_only_layers`
+    and `decoder_sparse_step`); every other layer's MLP is a SparseMoE.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's (moe_intermediate_size; Mixtral: intermediate_size)
+    renormalize: bool  # top-k weights divided by their sum
+    float_weights: bool  # routing weights stay float32 (Mixtral) or take the activations' dtype
+    dense_layers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok {self.top_k} must be in 1..the number of experts ({self.num_experts})"
+            )
+        if self.intermediate_size <= 0:
+            raise ModelLoadError(f"expert intermediate size {self.intermediate_size} must be positive")
+
+
 class SparseMoE(nn.Module):
     """The MLP of an MoE layer: `gate` (the router) and `experts`, HF's submodule names."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        num_experts: int,
-        top_k: int,
-        renormalize: bool,
-        float_weights: bool,
-    ) -> None:
+    def __init__(self, hidden_size: int, spec: MoeSpec) -> None:
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, renormalize, float_weights)
-        self.experts = Experts(hidden_size, intermediate_size, num_experts)
+        self.gate = TopKRouter(
+            hidden_size, spec.num_experts, spec.top_k, spec.renormalize, spec.float_weights
+        )
+        self.experts = Experts(hidden_size, spec.intermediate_size, spec.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids)
-
-
-def fuse_expert_weights(
-    gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert [I, H] gate, [I, H] up, [H, I] down (expert 0 first) -> gate_up [E, 2I, H], down [E, H, I].
-
-    transformers 5's conversion of the v4 layout: each expert's gate then up rows, stacked in expert
-    order (MergeModulelist(dim=0) then Concatenate(dim=1)).
-    """
-    if not len(gate) == len(up) == len(down) or not gate:
-        raise ValueError(f"expert tensors disagree: {len(gate)} gate, {len(up)} up, {len(down)} down")
-    gate_up = torch.cat([torch.stack(gate), torch.stack(up)], dim=1)
-    return gate_up, torch.stack(down)

@@ -24,6 +24,8 @@ REGISTRY = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
 

@@ -8,8 +8,9 @@ An Arch says, for one `model_type`:
 * `layer(cfg, i)`: decoder layer i (global index: per-layer attention specs, e.g. alternating
   sliding windows), built from layers.py's parts. Its forward is (x [T, hidden], AttentionBatch,
   k_cache, v_cache) -> [T, hidden].
-* `weights(cfg)`: layer parameter name -> its `Source` in the checkpoint, names relative to
-  `model.layers.{i}.`. The embedding, final norm and lm_head are the same for every arch (TOP).
+* `weights(cfg, i)`: layer i's parameter name -> its `Source` in the checkpoint, names relative to
+  `model.layers.{i}.` (layers of one model may differ: qwen3_moe's dense and MoE layers). The
+  embedding, final norm and lm_head are the same for every arch (TOP).
 * `gguf`: llama.cpp's architecture name and per-block tensor names (GgufSpec), or None where
   GGUF files of this arch are not converted.
 * `unsupported(cfg)`: kernel path -> why this arch's layer cannot run on it ("native": decode.c's
@@ -56,7 +57,33 @@ class Fused:
         return torch.cat([parts[p] for p in self.want])
 
 
-Source = Cat | Fused
+@dataclass(frozen=True)
+class Stack:
+    """Per-expert checkpoint tensors stacked along a new dim 0, expert 0 first: each expert's `parts`
+    (names with `{e}`) concatenated along dim 0 first, so gate then up rows make [E, 2I, H], as
+    transformers 5 fuses the per-expert tensors of v4 checkpoints (MergeModulelist, Concatenate)."""
+
+    parts: tuple[str, ...]
+    num_experts: int
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.format(e=e) for e in range(self.num_experts) for p in self.parts)
+
+
+@dataclass(frozen=True)
+class Either:
+    """The first of `options` whose tensors the checkpoint holds: one parameter stored in more than
+    one layout (transformers 5's fused experts, or the per-expert tensors of older checkpoints)."""
+
+    options: tuple[Cat | Fused | Stack, ...]
+
+    def choose(self, present: Callable[[str], bool]) -> Cat | Fused | Stack:
+        """The first option all of whose names `present` holds; else the first (its names then show
+        up as missing)."""
+        return next((o for o in self.options if all(map(present, checkpoint_names(o)))), self.options[0])
+
+
+Source = Cat | Fused | Stack | Either
 
 
 def part_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -65,8 +92,10 @@ def part_sizes(cfg: ModelConfig) -> dict[str, int]:
     return {"q": q, "k": kv, "v": kv, "gate": cfg.intermediate_size, "up": cfg.intermediate_size}
 
 
-def checkpoint_names(source: Source) -> tuple[str, ...]:
-    return source.names if isinstance(source, Cat) else (source.name,)
+def checkpoint_names(source: Cat | Fused | Stack) -> tuple[str, ...]:
+    if isinstance(source, Cat):
+        return source.names
+    return source.names() if isinstance(source, Stack) else (source.name,)
 
 
 @dataclass(frozen=True)
@@ -91,7 +120,7 @@ def balanced_layer_split(num_layers: int, world_size: int) -> list[tuple[int, in
     return out
 
 
-def dense_weights(cfg: ModelConfig) -> dict[str, Source]:
+def dense_weights(cfg: ModelConfig, index: int) -> dict[str, Source]:
     """A llama-like layer's parameters from separate q/k/v and gate/up tensors, biases and q/k norms
     as the config has them (llama, mistral, qwen2, qwen3)."""
     w: dict[str, Source] = {
@@ -143,7 +172,7 @@ class Arch:
     model_type: str
     hf_class: str  # config.json's `architectures` entry (transformers' class)
     config: Callable[[dict], dict]
-    weights: Callable[[ModelConfig], dict[str, Source]] = dense_weights
+    weights: Callable[[ModelConfig, int], dict[str, Source]] = dense_weights  # (cfg, layer index)
     layer: Callable[[ModelConfig, int], nn.Module] = dense_layer
     unsupported: Callable[[ModelConfig], dict[str, str]] = dense_unsupported
     gguf: GgufSpec | None = None

@@ -18,9 +18,9 @@ def config(raw: dict) -> dict:
     }
 
 
-def weights(cfg: ModelConfig) -> dict[str, Source]:
+def weights(cfg: ModelConfig, index: int) -> dict[str, Source]:
     w: dict[str, Source] = {
-        k: v for k, v in dense_weights(cfg).items() if isinstance(v, Cat) and len(v.names) == 1
+        k: v for k, v in dense_weights(cfg, index).items() if isinstance(v, Cat) and len(v.names) == 1
     }
     w["self_attn.qkv_proj.weight"] = Fused("self_attn.qkv_proj.weight", ("q", "k", "v"), ("q", "k", "v"))
     w["mlp.gate_up_proj.weight"] = Fused("mlp.gate_up_proj.weight", ("gate", "up"), ("gate", "up"))
