@@ -10,7 +10,11 @@ hits and preemption in tests/engine/test_engine_correctness.py (ARCH_FIXTURES).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,6 +133,23 @@ def test_the_native_decode_step_falls_back_once_for_routed_experts(
         "stage 0: decode steps run the PyTorch layers: the native decode step lacks routed experts, "
         "q/k RMSNorm (qwen3_moe)",
     ]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_the_triton_path_runs_the_routed_experts(tmp_path: Path, model_type: str) -> None:
+    """Every kernel op through Triton (interpreter mode, tests/kernels/engine_run.py's process), the
+    experts' dispatch in PyTorch around them (unsupported["triton"]); chunked prefill over a cached
+    prefix. The ids are transformers'."""
+    path = write_hf_checkpoint(tmp_path / model_type, model_type, num_hidden_layers=2)
+    prompts = [[5], [1, 2, 3, 4, 5], *random_prompts(1, 26, 26, 1024, seed=12)]
+    run = Path(__file__).resolve().parents[1] / "kernels" / "engine_run.py"
+    env = {**os.environ, "PIPESERVE_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    args = [sys.executable, str(run), str(path), "1", json.dumps(prompts), "6"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "triton"
+    assert out["ids"] == _hf(path, prompts, 6)
 
 
 @pytest.mark.parametrize(
