@@ -43,27 +43,33 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+# llama.cpp's architecture for each HF model_type (convert_hf_to_gguf.py's registrations: Mistral and
+# Mixtral are its LlamaModel, so "llama"; Gemma 3's text model is "gemma3").
+LLAMA_CPP_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
+PERMUTED = {"llama", "mistral", "mixtral"}  # LlamaModel.undo_permute: its q/k rows (and biases)
+GEMMA = {"gemma2", "gemma3_text"}  # their norm weights are written as 1 + w
 
 
-def gguf_name(hf: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if hf in top:
-        return top[hf]
-    if hf == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{_NAMES[rest]}"
+def gguf_name(hf: str, model_type: str = "llama", blocks: int = 64) -> str:
+    """gguf-py's own name for HF tensor `hf` (its TensorNameMap for the file's architecture: the
+    names llama.cpp's converter writes), independent of pipeserve's GgufSpec. A dense MLP in a
+    qwen3moe file (mlp_only_layers: not in llama.cpp's qwen3moe) takes llama's names."""
+    for arch in (LLAMA_CPP_ARCH[model_type], "llama"):
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], blocks)
+        found = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if found is not None:
+            return found
+    raise KeyError(f"gguf-py has no name for {hf} in {model_type}")
 
 
 def q4_k_m(hf: str) -> gguf.GGMLQuantizationType | None:
@@ -95,30 +101,51 @@ def gguf_tensor(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(a, qtype)  # F32, BF16, Q4_0, Q4_1, Q8_0 (as llama.cpp)
 
 
-def write_llama_gguf(
-    hf_dir: Path,
-    path: Path,
-    arch: str = "llama",
-    tokenizer_model: str = "gpt2",
-    pre: str = "gpt2",
-    quant: Callable[[str], gguf.GGMLQuantizationType | None] | None = None,
-) -> Path:
-    """`quant(hf_name)`: the block type a tensor is written in (quantized by the `gguf` package as
-    llama.cpp's quantizer does), None for F32."""
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    w = gguf.GGUFWriter(path, arch)
+def _metadata(w: gguf.GGUFWriter, cfg: dict, model_type: str) -> None:
+    """The keys llama.cpp's converter writes for `model_type` (TextModel.set_gguf_parameters and the
+    arch's own class: LlamaModel, Qwen2MoeModel, Phi3MiniModel, Gemma2Model, Gemma3Model)."""
+    rope = cfg.get("rope_parameters") or {}
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
+    w.add_embedding_length(hidden)
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg.get("num_key_value_heads", heads))
+    w.add_rope_freq_base(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if experts is not None:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if model_type == "phi3":  # Phi3MiniModel writes its own set, without key_length
+        rotary = (
+            int(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) * hidden) // heads
+        )
+        w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        w.add_rope_dimension_count(rotary)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        return
+    if cfg.get("head_dim") is not None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if LLAMA_CPP_ARCH[model_type] == "llama":
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
+    if model_type == "qwen3_moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if model_type in GEMMA:
+        if cfg.get("attn_logit_softcapping") is not None:
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping") is not None:
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+
+
+def _gpt2_vocab(w: gguf.GGUFWriter, hf_dir: Path, tokenizer_model: str, pre: str) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's _set_vocab_gpt2 writes it."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
     specials = {a["content"] for a in tok["added_tokens"] if a["special"]}
@@ -131,21 +158,77 @@ def write_llama_gguf(
     w.add_pad_token_id(vocab[tok_cfg["pad_token"]])
     w.add_add_bos_token(False)
     w.add_chat_template(tok_cfg["chat_template"])
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+
+def gguf_tensors(hf_dir: Path, cfg: dict) -> list[tuple[str, np.ndarray]]:
+    """(HF name, float32 array as llama.cpp writes it) for every tensor: q/k rows permuted for llama's
+    rope (LlamaModel.permute), gemma's norms as 1 + w, experts stacked into [E, rows, cols] (per-expert
+    tensors of transformers 4, or transformers 5's fused gate_up split into gate and up), gemma's
+    lm_head left out (tied)."""
+    model_type = cfg["model_type"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    out: list[tuple[str, np.ndarray]] = []
+    experts: dict[str, list[tuple[int, np.ndarray]]] = {}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         a = t.to(torch.float32).numpy()
-        if name.endswith("q_proj.weight"):
+        if model_type in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             a = llama_cpp_permute(a, heads)
-        elif name.endswith("k_proj.weight"):
+        elif model_type in PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             a = llama_cpp_permute(a, kv_heads)
-        qtype = quant(name) if quant else None
-        if qtype is None:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+        if model_type in GEMMA and name.endswith("norm.weight"):
+            a = a + 1
+        if model_type in GEMMA and name == "lm_head.weight":
+            continue
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
+            half = a.shape[1] // 2
+            out.append((name.replace("gate_up_proj", "gate_proj.weight"), a[:, :half]))
+            out.append((name.replace("gate_up_proj", "up_proj.weight"), a[:, half:]))
+        elif name.endswith("experts.down_proj"):
+            out.append((name + ".weight", a))
+        elif ".experts." in name:  # model.layers.L.<mlp>.experts.E.<w>.weight
+            head, _, rest = name.partition(".experts.")
+            e, _, leaf = rest.partition(".")
+            experts.setdefault(f"{head}.experts.{leaf}", []).append((int(e), a))
         else:
-            data = gguf_tensor(np.ascontiguousarray(a), qtype)
-            w.add_tensor(gguf_name(name), data, raw_dtype=None if qtype == Q.F16 else qtype)
+            out.append((name, a))
+    for name, parts in experts.items():
+        out.append((name, np.stack([a for _, a in sorted(parts, key=lambda p: p[0])])))
+    return out
+
+
+def write_gguf(
+    hf_dir: Path,
+    path: Path,
+    arch: str | None = None,
+    tokenizer_model: str = "gpt2",
+    pre: str = "gpt2",
+    quant: Callable[[str], gguf.GGMLQuantizationType | None] | None = None,
+) -> Path:
+    """The GGUF file llama.cpp's converter writes from HF checkpoint `hf_dir` (any model_type of
+    LLAMA_CPP_ARCH; `arch` overrides `general.architecture`, for files that must be refused).
+    `quant(hf_name)`: the block type a 2-D tensor is written in (quantized by the `gguf` package as
+    llama.cpp's quantizer does, or by pipeserve's reference quantizer), None for F32."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    w = gguf.GGUFWriter(path, arch or LLAMA_CPP_ARCH[model_type])
+    _metadata(w, cfg, model_type)
+    _gpt2_vocab(w, hf_dir, tokenizer_model, pre)
+    blocks = cfg["num_hidden_layers"]
+    for name, a in gguf_tensors(hf_dir, cfg):
+        a = np.ascontiguousarray(a)
+        qtype = quant(name) if quant and a.ndim == 2 else None
+        if qtype is None:
+            w.add_tensor(gguf_name(name, model_type, blocks), a)
+        else:
+            data = gguf_tensor(a, qtype)
+            w.add_tensor(
+                gguf_name(name, model_type, blocks), data, raw_dtype=None if qtype == Q.F16 else qtype
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+write_llama_gguf = write_gguf  # the name the llama-only tests use

@@ -390,15 +390,15 @@ MUTANTS = [
     (
         "GGUF q rows left in llama.cpp's rope order",
         "services/pipeserve/model/gguf.py",
-        '            w = unpermute_rows(w, config["num_attention_heads"])',
-        "            w = w",
+        '            return config["num_attention_heads"]',
+        "            return None",
         "tests/model/test_gguf.py -k round_trip_gives_back",
     ),
     (
         "GGUF k rows un-permuted with the query head count",
         "services/pipeserve/model/gguf.py",
-        'unpermute_rows(w, config["num_key_value_heads"])',
-        'unpermute_rows(w, config["num_attention_heads"])',
+        '            return config["num_key_value_heads"]',
+        '            return config["num_attention_heads"]',
         "tests/model/test_gguf.py -k round_trip_gives_back",
     ),
     (
@@ -1274,7 +1274,7 @@ MUTANTS = [
     (
         "gguf blocks keep llama.cpp's q/k row order",
         "services/pipeserve/model/gguf.py",
-        "                blocks = permute_blocks(blocks, partial(unpermute_rows, n_heads=n))",
+        "                part = permute_blocks(part, partial(unpermute_rows, n_heads=heads))",
         "                pass",
         "tests/model/test_gguf_blocks.py -k exactly",
     ),
@@ -1839,6 +1839,27 @@ MUTANTS = [
         "K.apply_rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)",
         "K.apply_rotary(q[..., -r:].contiguous(), k[..., -r:].contiguous(), cos, sin)",
         "tests/model/test_arch.py -k 'triton and phi3'",
+    ),
+    (
+        "GGUF: llama's q/k rows left in llama.cpp's rope order (its spec not permuted)",
+        "services/pipeserve/model/arch/llama.py",
+        "        permuted_qk=True,",
+        "        permuted_qk=False,",
+        "tests/model/test_gguf_arch.py -k 'give_back and llama'",
+    ),
+    (
+        "GGUF: num_key_value_heads read from the query head count",
+        "services/pipeserve/model/gguf.py",
+        '"num_key_value_heads": int(meta.get("attention.head_count_kv", heads)),',
+        '"num_key_value_heads": int(meta.get("attention.head_count", heads)),',
+        "tests/model/test_gguf_arch.py -k 'config_names and qwen3'",
+    ),
+    (
+        "GGUF: phi3's rotated part of a head read as the whole head",
+        "services/pipeserve/model/arch/phi3.py",
+        '"partial_rotary_factor": int(meta.get("rope.dimension_count", head_dim)) / head_dim,',
+        '"partial_rotary_factor": 1.0,',
+        "tests/model/test_gguf_arch.py -k 'partial'",
     ),
 ]
 

@@ -6,8 +6,12 @@
 loader path as every other checkpoint: convert once, then serve the directory.
 
 Contract:
-* Architectures: `llama` (which also covers Mistral-style GGUFs). Anything else
-  is a ModelLoadError naming the architecture.
+* Architectures: those whose arch module (model/arch/) declares a `GgufSpec`: llama.cpp's
+  architecture name, its per-block tensor names, its config.json fields from the metadata, whether
+  q/k rows are permuted and what was added to the norm weights. Mistral files are llama.cpp's
+  `llama` and convert to llama (the same layer; llama.cpp keeps no window for them). Any other
+  `general.architecture` is a ModelLoadError naming the supported ones, raised before anything is
+  read or written (and before any process starts: model_path converts before `up` starts stages).
 * Every tensor is dequantized to float32 with the `gguf` package (the file's
   F32 tensors are copied as they are), so the checkpoint is float32 whatever
   the file's quantization; a type `gguf` cannot dequantize is a ModelLoadError
@@ -18,8 +22,13 @@ Contract:
   than those and F32/F16/BF16 (Q2_K, Q3_K, the IQ types) is a ModelLoadError naming the types
   served, before anything is written.
 * llama.cpp's converter permutes the rows of q_proj / k_proj (per head, the
-  two rotary halves interleaved for its rope layout); they are permuted back,
-  so the result is the HF layout the engine and transformers expect.
+  two rotary halves interleaved for its rope layout) of the archs whose spec says
+  `permuted_qk` (llama, mixtral; not the NEOX-rope ones); they are permuted back,
+  so the result is the HF layout the engine and transformers expect. Gemma's norm
+  weights were stored as 1 + w (`norm_shift`); w is given back (exactly: the
+  subtraction of 1 from a float32 in [0.5, 2] is exact, and the layer adds it again).
+* Expert tensors (`ffn_gate_exps`, ... [E, rows, cols]) become one HF tensor per expert
+  (transformers 4's per-expert names, which the MoE layers' loader stacks).
 * Every GGUF tensor maps to an HF name, or conversion fails naming it (nothing
   is silently dropped). No `output.weight` means tied embeddings.
 * The file's sampling metadata (llama.cpp's `general.sampling.*`, what its converter writes from
@@ -42,21 +51,21 @@ import re
 import shutil
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from pipeserve.errors import ModelLoadError
-from pipeserve.model.arch import gguf_architectures
+from pipeserve.model.arch import SUPPORTED_MODEL_TYPES, get_arch
+from pipeserve.model.gguf_meta import GgufMeta, f32
 from pipeserve.obs.progress import Progress
 
-# llama.cpp architecture -> its Arch (model/arch/: an Arch's `gguf` spec names its file's tensors).
-_GGUF_ARCHES = gguf_architectures()
-SUPPORTED_ARCHITECTURES = tuple(_GGUF_ARCHES)
+# The archs whose GGUF files convert (model/arch/: an Arch's `gguf` spec), in registry order.
+_GGUF_ARCHES = [a for a in map(get_arch, SUPPORTED_MODEL_TYPES) if a.gguf is not None]
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(a.gguf.name for a in _GGUF_ARCHES))
 
-# GGUF name (per block: `blk.N.` + key) -> HF name (per layer: `model.layers.N.` + value).
-_BLOCK_NAMES = _GGUF_ARCHES["llama"].gguf.block_names
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -96,63 +105,55 @@ def metadata(reader) -> dict:
     return out
 
 
-def _f32(value: float) -> float:
-    """A float32 field as its shortest decimal: 9.99999974e-06 -> 1e-05, the value the model was saved
-    with (the same float32, so float32 computation does not change)."""
-    return float(str(np.float32(value)))
+def file_arch(meta: GgufMeta):  # -> arch/base.Arch
+    """The Arch a file converts to: its `general.architecture`, and the first spec of that name that
+    claims it (llama and mixtral share "llama"); a ModelLoadError naming the supported ones else."""
+    for arch in _GGUF_ARCHES:
+        if arch.gguf.name == meta.arch and arch.gguf.claims(meta):
+            return arch
+    raise ModelLoadError(
+        f"unsupported GGUF architecture {meta.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
 
 
-def hf_config(meta: dict, has_output: bool) -> tuple[dict, dict]:
-    """(config.json, generation_config.json) from the file's metadata."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-    def need(key: str):
-        if f"{arch}.{key}" not in meta:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-        return meta[f"{arch}.{key}"]
-
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+def hf_config(meta: GgufMeta, has_output: bool) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) from the file's metadata: the keys every llama.cpp arch
+    writes (TextModel.set_gguf_parameters) here, the arch's own through its spec (`config`)."""
+    arch = file_arch(meta)
+    scaling = meta.get("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ModelLoadError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", 0)))
-    head_dim = head_dim or hidden // heads
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    heads = int(meta.need("attention.head_count"))
+    hidden = int(meta.need("embedding_length"))
+    vocab = meta.get("vocab_size") or len(meta.fields.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         raise ModelLoadError("GGUF metadata gives neither the vocabulary size nor the tokens")
-    rope: dict = {"rope_type": "default", "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))}
+    rope: dict = {"rope_type": "default", "rope_theta": meta.f32("rope.freq_base", 10000.0)}
     if scaling == "linear":
-        rope.update(rope_type="linear", factor=_f32(meta[f"{arch}.rope.scaling.factor"]))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id")
+        rope.update(rope_type="linear", factor=meta.f32("rope.scaling.factor"))
+    bos = meta.fields.get("tokenizer.ggml.bos_token_id")
+    eos = meta.fields.get("tokenizer.ggml.eos_token_id")
+    pad = meta.fields.get("tokenizer.ggml.padding_token_id")
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(meta.need("feed_forward_length")),
+        "num_hidden_layers": int(meta.need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "num_key_value_heads": int(meta.get("attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(meta.get("context_length", 2048)),
+        "rms_norm_eps": meta.f32("attention.layer_norm_rms_epsilon"),
         "rope_parameters": rope,
         "tie_word_embeddings": not has_output,
-        "attention_bias": False,
-        "mlp_bias": False,
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": pad,
         "dtype": "float32",
     }
+    config.update(arch.gguf.config(meta))
     gen = {
         k: v
         for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad))
@@ -160,17 +161,57 @@ def hf_config(meta: dict, has_output: bool) -> tuple[dict, dict]:
     }
     for key, name in SAMPLING_KEYS.items():
         if meta.get(key) is not None:
-            gen[name] = int(meta[key]) if name == "top_k" else _f32(meta[key])
+            gen[name] = int(meta.fields[key]) if name == "top_k" else f32(meta.fields[key])
     return config, gen
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_names(gguf_name: str, spec, rows: int) -> list[str]:
+    """The HF tensor(s) GGUF tensor `gguf_name` holds under `spec` (arch/base.GgufSpec): one, or one
+    per expert (`rows` of them) for a stacked expert tensor."""
     if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
+        return [_TOP_NAMES[gguf_name]]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no HF counterpart in a llama checkpoint")
+    if m and m.group(2) in spec.block_names:
+        name = f"model.layers.{m.group(1)}.{spec.block_names[m.group(2)]}"
+        return [name.format(e=e) for e in range(rows)] if "{e}" in name else [name]
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no HF counterpart in a {spec.name} checkpoint")
+
+
+def permuted_heads(name: str, spec, config: dict) -> int | None:
+    """The head count by which llama.cpp permuted the rows of HF tensor `name` (q/k weights and
+    biases of a `permuted_qk` arch), else None."""
+    if spec.permuted_qk:
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return config["num_attention_heads"]
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            return config["num_key_value_heads"]
+    return None
+
+
+def to_hf(name: str, w: torch.Tensor, spec, config: dict) -> torch.Tensor:
+    """Undo what llama.cpp's converter did to HF tensor `name`: its q/k row order, its norm shift."""
+    heads = permuted_heads(name, spec, config)
+    if heads is not None:
+        return unpermute_rows(w, heads)
+    if spec.norm_shift and name.endswith("norm.weight"):
+        return w - spec.norm_shift
+    return w
+
+
+Part = TypeVar("Part", torch.Tensor, dict[str, torch.Tensor])
+
+
+def _split(gguf_name: str, w: Part, spec) -> list[tuple[str, Part]]:
+    """(HF name, part) for each HF tensor in `w` (a tensor, or a dict of block arrays), split along
+    dim 0 for a stacked expert tensor."""
+    first = w if isinstance(w, torch.Tensor) else next(iter(w.values()))
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    names = hf_names(gguf_name, spec, int(first.shape[0]))
+    if not (m and "{e}" in spec.block_names.get(m.group(2), "")):
+        return [(names[0], w)]
+    if isinstance(w, torch.Tensor):
+        return [(n, w[e].contiguous()) for e, n in enumerate(names)]
+    return [(n, {k: v[e].contiguous() for k, v in w.items()}) for e, n in enumerate(names)]
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -199,25 +240,20 @@ def dequantized(tensor) -> np.ndarray:
     return np.array(data, dtype=np.float32, copy=not data.flags.writeable or None).reshape(shape)
 
 
-def hf_tensors(reader, config: dict, progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the file under its HF name, float32, q/k in HF row order."""
+def hf_tensors(reader, spec, config: dict, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the file under its HF name, float32, as HF holds it (`to_hf`)."""
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
-        w = torch.from_numpy(dequantized(t))
-        if name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_rows(w, config["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_rows(w, config["num_key_value_heads"])
-        out[name] = w
+        for name, w in _split(t.name, torch.from_numpy(dequantized(t)), spec):
+            out[name] = to_hf(name, w, spec, config)
         if progress is not None:
             progress.update(int(t.n_bytes))
     return out
 
 
-def hf_blocks(reader, config: dict) -> dict[str, torch.Tensor]:
+def hf_blocks(reader, spec, config: dict) -> dict[str, torch.Tensor]:
     """The blocks of every tensor in a block type under `HF name.suffix` (gguf_blocks' layout),
-    q/k rows in HF order like `hf_tensors`."""
+    q/k rows in HF order like `hf_tensors` (blocks lie within rows: the same row permutation)."""
     from pipeserve.model.gguf_blocks import permute_blocks
     from pipeserve.model.gguf_types import read_blocks
 
@@ -226,12 +262,11 @@ def hf_blocks(reader, config: dict) -> dict[str, torch.Tensor]:
         blocks = read_blocks(t)
         if blocks is None:
             continue
-        name = hf_name(t.name)
-        heads = {"q": config["num_attention_heads"], "k": config["num_key_value_heads"]}
-        for proj, n in heads.items():
-            if name.endswith(f"self_attn.{proj}_proj.weight"):
-                blocks = permute_blocks(blocks, partial(unpermute_rows, n_heads=n))
-        out.update({f"{name}.{k}": v for k, v in blocks.items()})
+        for name, part in _split(t.name, blocks, spec):
+            heads = permuted_heads(name, spec, config)
+            if heads is not None:
+                part = permute_blocks(part, partial(unpermute_rows, n_heads=heads))
+            out.update({f"{name}.{k}": v for k, v in part.items()})
     return out
 
 
@@ -245,28 +280,34 @@ def convert_gguf(src: str | Path, dst: str | Path, progress_s: float | None = No
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelLoadError(f"{out} already exists and is not an empty directory")
     reader = open_gguf(src)
-    meta = metadata(reader)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    fields = metadata(reader)
+    meta = GgufMeta.of(fields, (t.name for t in reader.tensors))
+    has_output = "output.weight" in meta.tensor_names
     config, gen = hf_config(meta, has_output)
+    spec = file_arch(meta).gguf
     check_types(reader.tensors)
-    types = {hf_name(t.name): type_name(t) for t in reader.tensors}
+    types = {
+        name: type_name(t)
+        for t in reader.tensors
+        for name in hf_names(t.name, spec, int(t.shape[-1]) if len(t.shape) == 3 else 1)
+    }
     if progress_s is None:
-        tensors = hf_tensors(reader, config)
+        tensors = hf_tensors(reader, spec, config)
     else:
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with Progress(f"converting {Path(src).name}", total, log, interval_s=progress_s) as progress:
-            tensors = hf_tensors(reader, config, progress)
+            tensors = hf_tensors(reader, spec, config, progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed conversion with this pid
     tmp.mkdir()
     try:
-        write_tokenizer_files(tmp, meta, config["max_position_embeddings"])
+        write_tokenizer_files(tmp, fields, config["max_position_embeddings"])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
-        blocks = hf_blocks(reader, config)
+        blocks = hf_blocks(reader, spec, config)
         written = ["model.safetensors"]
         if set(types.values()) != {"F32"}:  # each tensor's type and served form, dense ones too
             forms = {name: form(t) for name, t in types.items()}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,11 +101,24 @@ def checkpoint_names(source: Cat | Fused | Stack) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class GgufSpec:
-    """How llama.cpp names this arch: `general.architecture` and, per block (`blk.N.` + key), the
-    HF tensor (`model.layers.N.` + value). gguf.py reads it (convert_gguf)."""
+    """How llama.cpp's converter (convert_hf_to_gguf.py) writes this arch; gguf.py reads it back.
+
+    * `name`: `general.architecture`; `claims(meta)`: whether a file of that name is this arch (llama
+      and mixtral share "llama": mixtral's has experts).
+    * `block_names`: per block (`blk.N.` + key) the HF tensor (`model.layers.N.` + value); a value
+      with `{e}` is an expert tensor stacked along dim 0 ([E, ...]), one HF tensor per expert.
+    * `config(meta)`: this arch's config.json fields from the metadata (model/gguf_meta.GgufMeta)
+      beyond the shared ones gguf.hf_config reads (sizes, heads, rope base and scaling, eps, EOS).
+    * `permuted_qk`: q/k rows permuted for llama.cpp's interleaved rope (llama's; NEOX-rope archs
+      such as qwen2/qwen3/phi3/gemma are written unpermuted).
+    * `norm_shift`: what llama.cpp added to every `*norm.weight` (gemma's (1 + w) RMSNorm: 1.0)."""
 
     name: str
     block_names: Mapping[str, str]
+    config: Callable[[Any], dict[str, Any]] = lambda meta: {}
+    permuted_qk: bool = False
+    norm_shift: float = 0.0
+    claims: Callable[[Any], bool] = lambda meta: True
 
 
 def balanced_layer_split(num_layers: int, world_size: int) -> list[tuple[int, int]]:

@@ -1,9 +1,12 @@
 """qwen2 (Qwen2, Qwen2.5): the llama layer with q/k/v biases (o_proj has none); a sliding window
-only where `use_sliding_window` is set (it then caps the context, see layers.AttentionSpec)."""
+only where `use_sliding_window` is set (it then caps the context, see layers.AttentionSpec).
+
+GGUF: llama.cpp's `qwen2` (NEOX rope: q/k rows as HF has them), llama's names plus the q/k/v biases."""
 
 from __future__ import annotations
 
-from pipeserve.model.arch.base import Arch, check_activation
+from pipeserve.model.arch.base import Arch, GgufSpec, check_activation
+from pipeserve.model.arch.llama import GGUF_BLOCK_NAMES
 
 
 def sliding_window(raw: dict) -> int | None:
@@ -20,4 +23,9 @@ def config(raw: dict) -> dict:
     }
 
 
-ARCH = Arch("qwen2", "Qwen2ForCausalLM", config)
+GGUF_NAMES = {
+    **GGUF_BLOCK_NAMES,
+    **{f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"},
+}
+# llama.cpp writes no window for qwen2 (use_sliding_window is off in every Qwen2/2.5 release).
+ARCH = Arch("qwen2", "Qwen2ForCausalLM", config, gguf=GgufSpec("qwen2", GGUF_NAMES))

@@ -1,0 +1,156 @@
+"""GGUF files of every architecture with a GgufSpec convert back into checkpoints that serve
+transformers' greedy tokens (issue 28, point 3: llama.cpp's names and metadata per architecture).
+
+Per architecture: a tiny checkpoint transformers creates (arch_support.py; its weights rounded to
+float16 so that an F16 file holds them exactly), written as llama.cpp's converter writes it
+(gguf_support.write_gguf: gguf-py's own tensor names, llama.cpp's metadata keys, q/k rows permuted
+for llama's rope, experts stacked, gemma's norms as 1 + w) in F32, F16 and Q8_0, and converted back
+by `pipeserve convert-gguf`. The F32 file is served for S=1 and S=2 and gives transformers' greedy
+tokens on the original checkpoint; the F16 file converts to the same tensors; the Q8_0 file's blocks
+hold exactly the values of its dequantized checkpoint, under the HF names and row order the loader
+reads. A file of an architecture without a GgufSpec is refused, naming the supported ones, before
+`pipeserve up` starts anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from arch_support import write_hf_checkpoint
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_greedy, random_prompts
+from gguf_support import LLAMA_CPP_ARCH, write_gguf
+from pipeserve import LLM, SamplingParams
+from pipeserve.cli import main
+from pipeserve.errors import ExitCode, ModelLoadError
+from pipeserve.model.gguf import SUPPORTED_ARCHITECTURES, convert_gguf
+from pipeserve.model.gguf_blocks import GgufBlocks
+from pipeserve.model_path import resolve_model
+
+# model_type -> the model_type its GGUF file converts to (llama.cpp writes Mistral as llama).
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+PROMPTS = random_prompts(3, 3, 24, 1024, seed=70)
+TOKENS = 12
+
+
+def _fp16_exact(hf: Path) -> Path:
+    """Round every weight to a float16 value, so the F16 file is the checkpoint itself."""
+    path = hf / "model.safetensors"
+    tensors = {n: t.half().float() for n, t in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return hf
+
+
+def _q8(name: str) -> Q | None:
+    return None if name.endswith("norm.weight") else Q.Q8_0
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(model_type, HF checkpoint, {file type: converted dir})."""
+    model_type = request.param
+    tmp = tmp_path_factory.mktemp(f"gguf-{model_type}")
+    hf = _fp16_exact(write_hf_checkpoint(tmp / "hf", model_type))
+    out = {}
+    for kind, quant in (("f32", None), ("f16", lambda n: None if n.endswith("norm.weight") else Q.F16)):
+        src = write_gguf(hf, tmp / f"{kind}.gguf", quant=quant)
+        assert main(["convert-gguf", str(src), str(tmp / kind)]) == 0
+        out[kind] = tmp / kind
+    src = write_gguf(hf, tmp / "q8.gguf", quant=_q8)
+    assert main(["convert-gguf", str(src), str(tmp / "q8")]) == 0
+    out["q8"] = tmp / "q8"
+    return model_type, hf, out
+
+
+def _greedy(path: Path, stages: int, **kw) -> list[list[int]]:
+    with LLM(str(path), stages=stages, num_kv_blocks=32, ring_timeout_s=20, **kw) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_config_names_the_arch_and_its_fields(converted) -> None:
+    model_type, hf, out = converted
+    want, got = (json.loads((p / "config.json").read_text()) for p in (hf, out["f32"]))
+    assert got["model_type"] == ARCHS[model_type]
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    fields += ("num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps")
+    assert {f: got[f] for f in fields} == {f: want[f] for f in fields}
+    if "head_dim" in want:
+        assert got["head_dim"] == want["head_dim"]
+    if model_type == "phi3":
+        assert got["partial_rotary_factor"] == 1.0 and got["sliding_window"] is None
+        assert got["original_max_position_embeddings"] == want["original_max_position_embeddings"]
+
+
+def test_float_files_give_back_the_checkpoint(converted) -> None:
+    _, hf, out = converted
+    want = load_file(str(hf / "model.safetensors"))
+    f32, f16 = (load_file(str(out[k] / "model.safetensors")) for k in ("f32", "f16"))
+    assert sorted(f32) == sorted(want)
+    assert [n for n in want if not torch.equal(f32[n], want[n])] == []
+    assert [n for n in want if not torch.equal(f16[n], want[n])] == []
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_served_greedy_equals_transformers(converted, stages: int) -> None:
+    _, hf, out = converted
+    want = [hf_greedy(hf, p, TOKENS, ignore_eos=True) for p in PROMPTS]
+    assert _greedy(out["f32"], stages) == want
+
+
+def test_q8_blocks_are_its_dequantized_checkpoint(converted) -> None:
+    _, _, out = converted
+    floats = load_file(str(out["q8"] / "model.safetensors"))
+    want = {n for n, t in floats.items() if _q8(n) is not None and t.dim() == 2}
+    with GgufBlocks(out["q8"]) as blocks:
+        assert blocks.names == want
+        for name in sorted(want):
+            assert torch.equal(blocks.dequantized([name]), floats[name]), name
+
+
+def test_model_flag_takes_a_gguf_file_of_the_arch(converted, tmp_path: Path) -> None:
+    """`--model FILE.gguf`'s path (model_path.resolve_model: converted into the cache), then served."""
+    _, hf, out = converted
+    resolved = resolve_model(str(out["f32"].parent / "f32.gguf"), home=tmp_path)
+    assert resolved.dir != out["f32"]
+    assert _greedy(resolved.dir, 1)[:1] == [hf_greedy(hf, PROMPTS[0], TOKENS, ignore_eos=True)]
+
+
+def test_an_unsupported_architecture_is_refused_before_anything_starts(tmp_path: Path, qwen3_dir) -> None:
+    src = write_gguf(qwen3_dir, tmp_path / "gpt2.gguf", arch="gpt2")
+    refusal = r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen2"
+    with pytest.raises(ModelLoadError, match=refusal):
+        convert_gguf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert set(SUPPORTED_ARCHITECTURES) >= {LLAMA_CPP_ARCH[t] for t in ARCHS}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeserve.cli", "up", "--port", "0", "--model", str(src)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PIPESERVE_HOME": str(tmp_path / "home")},
+    )
+    assert done.returncode == ExitCode.CANNOT_START, done.stderr
+    assert "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2" in done.stderr
+    assert "Traceback" not in done.stderr and "started stages" not in done.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_phi3_partial_rotary_is_read_back(tmp_path: Path) -> None:
+    """Phi-4-mini's form: llama.cpp writes the rotated features of a head as rope.dimension_count."""
+    hf = write_hf_checkpoint(tmp_path / "hf", "phi3", partial_rotary_factor=0.5)
+    src = write_gguf(hf, tmp_path / "phi3.gguf")
+    convert_gguf(src, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["partial_rotary_factor"] == 0.5
+    want = [hf_greedy(hf, p, TOKENS, ignore_eos=True) for p in PROMPTS]
+    assert _greedy(tmp_path / "out", 1) == want
