@@ -29,6 +29,16 @@ TINY = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
+# Gemma (EXTRA): head_dim 16 (its default is 256), a 12-token window (across a block boundary, shorter
+# than most prompts), a query_pre_attn_scalar apart from head_dim, soft-caps small enough to bend these
+# logits, tied embeddings; gemma3 with a global layer every 3rd and linear rope scaling on it.
+GEMMA = {
+    "head_dim": 16,
+    "sliding_window": 12,
+    "query_pre_attn_scalar": 24,
+    "final_logit_softcapping": 3.0,
+    "tie_word_embeddings": True,
+}
 # Per model_type: what its config needs beyond TINY (qwen3's own head_dim; phi3 without a window).
 EXTRA: dict[str, dict] = {
     "qwen3": {"head_dim": 32},
@@ -43,6 +53,12 @@ EXTRA: dict[str, dict] = {
         "mlp_only_layers": [2],
     },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    "gemma2": {**GEMMA, "attn_logit_softcapping": 4.0},
+    "gemma3_text": {
+        **GEMMA,
+        "sliding_window_pattern": 3,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    },
 }
 
 

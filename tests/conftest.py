@@ -57,9 +57,19 @@ def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("mixtral"), "mixtral")
 
 
+@pytest.fixture(scope="session")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("gemma3_text"), "gemma3_text")
+
+
 # Every architecture of the registry with a checkpoint fixture above: the engine's correctness tests
 # run on each (tests/engine/test_engine_correctness.py).
-ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral"]
+ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text"]
 
 
 @pytest.fixture(scope="session", params=ARCH_FIXTURES)

@@ -1861,6 +1861,62 @@ MUTANTS = [
         '"partial_rotary_factor": 1.0,',
         "tests/model/test_gguf_arch.py -k 'partial'",
     ),
+    (
+        "gemma: the post-attention norm dropped",
+        "services/pipeserve/model/sandwich.py",
+        "        h = x + self.post_attention_layernorm(attn)",
+        "        h = x + attn",
+        "tests/model/test_gemma.py -k greedy",
+    ),
+    (
+        "gemma: the post-feedforward norm dropped",
+        "services/pipeserve/model/sandwich.py",
+        "        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))",
+        "        return h + self.mlp(self.pre_feedforward_layernorm(h))",
+        "tests/model/test_gemma.py -k greedy",
+    ),
+    (
+        "gemma2: attention soft-capping off",
+        "services/pipeserve/model/arch/gemma2.py",
+        '        softcap=positive(raw, "attn_logit_softcapping") if softcap else None,',
+        "        softcap=None,",
+        "tests/model/test_gemma.py -k 'greedy and gemma2'",
+    ),
+    (
+        "gemma: final logit soft-capping off",
+        "services/pipeserve/model/stage_model.py",
+        "            logits = torch.tanh(logits / cap) * cap",
+        "            logits = logits",
+        "tests/model/test_gemma.py -k prompt_logprobs",
+    ),
+    (
+        "gemma: the window ignored on local layers",
+        "services/pipeserve/model/arch/gemma2.py",
+        '        window=int(raw["sliding_window"]) if local else None,',
+        "        window=None,",
+        "tests/model/test_gemma.py -k greedy",
+    ),
+    (
+        "gemma: embeddings not scaled by sqrt(hidden)",
+        "services/pipeserve/model/stage_model.py",
+        "                x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)",
+        "                x = x",
+        "tests/model/test_gemma.py -k greedy",
+    ),
+    (
+        "gemma: RMSNorm scales by weight, not 1 + weight",
+        "services/pipeserve/model/layers.py",
+        "        return K.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)",
+        "        return K.rms_norm(x.float(), self.weight.float(), self.eps).to(x.dtype)",
+        "tests/model/test_gemma.py -k greedy",
+    ),
+    (
+        "gemma3: local layers rotate with the global layers' rope",
+        "services/pipeserve/model/arch/gemma2.py",
+        "        local_rope=local and cfg.local_rope_theta is not None,",
+        "        local_rope=False,",
+        "tests/model/test_gemma.py -k 'greedy and gemma3'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

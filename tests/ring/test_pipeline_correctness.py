@@ -60,7 +60,11 @@ def run_and_check(model_dir: Path, stages: int) -> None:
 CASES = [
     *[(arch, s) for arch in ("llama", "qwen2") for s in (2, 3, 4)],
     ("llama", 1),
-    *[(arch, s) for arch in ("qwen3", "phi3", "qwen3_moe", "mixtral") for s in (1, 2, 3)],
+    *[
+        (arch, s)
+        for arch in ("qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text")
+        for s in (1, 2, 3)
+    ],
 ]
 
 

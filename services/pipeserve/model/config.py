@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,12 +60,18 @@ class ModelConfig:
     attention_bias: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # the smallest window of any layer; None: full attention
+    # A window every layer applies, honoured by capping max_model_len at it (ring/build.py: mistral,
+    # qwen2, phi3); None: no cap. Per-layer windows the kernels apply (gemma) are AttentionSpec's.
+    sliding_window: int | None = None
     hidden_act: str = "silu"  # the gated MLP's activation (layers.GATED_ACTIVATIONS)
     qk_norm: bool = False  # RMSNorm over each q/k head before rotary (qwen3)
     attention_out_bias: bool = False  # o_proj has a bias
     mlp_bias: bool = False  # gate/up/down have biases
     rotary_dim: int = 0  # the leading features of a head that rotate (partial_rotary_factor); 0: head_dim
+    norm_unit_offset: bool = False  # every RMSNorm scales by 1 + weight (gemma: layers.UnitOffsetRMSNorm)
+    embed_scale: float | None = None  # embeddings times this, cast to the model dtype (gemma: sqrt(hidden))
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (gemma2/3)
+    local_rope_theta: float | None = None  # default-rope base of AttentionSpec.local_rope layers (gemma3)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,7 +110,7 @@ class ModelConfig:
             for tid in src if isinstance(src, list) else [src]:
                 if tid is not None and int(tid) not in eos:
                     eos.append(int(tid))
-        return cls(
+        shared: dict[str, Any] = dict(
             model_type=raw["model_type"],
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -121,14 +128,18 @@ class ModelConfig:
             eos_token_ids=tuple(eos),
             rotary_dim=rotary,
             raw=raw,
-            **arch.config(raw),  # attention_bias, sliding_window, ...: the arch's own fields
         )
+        # The arch's own fields (attention_bias, sliding_window, ...), and its defaults where they
+        # differ from the shared ones (gemma: tied embeddings).
+        return cls(**{**shared, **arch.config(raw)})
 
 
 def _rope(raw: dict, head_dim: int, aliases: dict[str, str]) -> tuple[float, dict | None, int]:
     """(rope_theta, the scaling dict rope.py reads or None, rotary_dim), resolved as transformers'
     standardize_rope_params does (a top-level original_max_position_embeddings wins)."""
     rope = dict(raw.get("rope_parameters") or {})
+    if isinstance(rope.get("full_attention"), dict):  # transformers 5's per-layer-type form (gemma3)
+        rope = dict(rope["full_attention"])  # the model's table; the arch reads the local one
     scaling = raw.get("rope_scaling")
     if scaling:
         rope.update(scaling)

@@ -4,10 +4,11 @@ Projections are fused (qkv, gate_up) — one matmul each per layer. Activations
 are flat: [T, hidden] for the T tokens of a step, whatever request they belong
 to; `AttentionBatch` says which rows decode and which prefill.
 
-The parts: RMSNorm; Attention (optional per-head q/k RMSNorm, partial rotary, biases, and a
-per-layer AttentionSpec: scale, sliding window, soft-capping); the gated MLP with an activation
-from GATED_ACTIVATIONS; DecoderLayer, the pre-norm residual layer of llama, mistral, qwen2/3 and
-phi3. Rotary tables are in rope.py.
+The parts: RMSNorm and Gemma's UnitOffsetRMSNorm (make_norm picks by the config); Attention
+(optional per-head q/k RMSNorm, partial rotary, biases, and a per-layer AttentionSpec: scale, sliding
+window, soft-capping, local rope); the gated MLP with an activation from GATED_ACTIVATIONS (SiLU,
+GeGLU); DecoderLayer, the pre-norm residual layer of llama, mistral, qwen2/3 and phi3 (Gemma's
+pre+post norm layer is sandwich.py's). Rotary tables are in rope.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import pipeserve_kernels as K
@@ -65,6 +67,10 @@ class AttentionBatch:
     prefills: list[PrefillSpan]
     # [2, blocks, BS, KVH, D] scratch for decode gathers, reused by every layer and step.
     workspace: torch.Tensor | None = None
+    # cos/sin [T, D] of the local rope table (gemma3's sliding layers: rope_local_base_freq), gathered
+    # by StageModel.forward where the model has one; layers whose AttentionSpec.local_rope read them.
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 class Linear(nn.Linear):
@@ -100,30 +106,53 @@ class RMSNorm(nn.Module):
         return K.rms_norm_residual(x, residual, self.weight, self.eps)
 
 
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (transformers' Gemma2RMSNorm / Gemma3RMSNorm): x / rms(x) * (1 + weight), the
+    statistic, the offset and the product in float32, cast to x's dtype last (Llama's norm casts
+    before the product). The checkpoint's `weight` is the offset from 1 (near 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The float32 kernel computes weight * (x * rsqrt(mean(x^2) + eps)): transformers' products in
+        # the other order (exact: a float32 product commutes).
+        return K.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + residual
+        return self(h), h
+
+
+def make_norm(cfg: ModelConfig, size: int) -> RMSNorm:
+    """The architecture's RMSNorm over `size` features: Gemma's (1 + weight) where cfg.norm_unit_offset."""
+    return (UnitOffsetRMSNorm if cfg.norm_unit_offset else RMSNorm)(size, cfg.rms_norm_eps)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """One layer's attention, as its architecture declares it (arch/base.py's `layer`).
 
-    window: the layer's sliding window in tokens (None: full context). The paged kernels attend the
-    whole context; the engine caps max_model_len at cfg.sliding_window (ring/build.py), the smallest
-    window of any layer, which makes every window at least the context: exact. A layer whose window
-    is below that cap is refused (it would attend past its window).
-    softcap: tanh soft-capping of the logits (gemma2): the paged kernels do not take one yet.
+    window: the layer's sliding window in tokens (None: full context), applied by the paged attention
+    kernels: key p is visible to the query at position i iff i - window < p <= i (transformers'
+    sliding-window mask), in decode and chunked prefill, over a cached prefix too. The blocks that
+    fell out of every layer's window stay allocated (the whole context is kept).
+    softcap: logits become softcap * tanh(logits / softcap) before the mask (gemma2). The CPU path
+    then computes explicit scores (SDPA has no softcap); the Triton kernels take it in place.
+    local_rope: the layer rotates with the local rope table (AttentionBatch.local_cos/sin: gemma3's
+    sliding layers), else the model's (cfg.rope_theta, cfg.rope_scaling).
     """
 
     scale: float  # logits scale: head_dim**-0.5, or query_pre_attn_scalar**-0.5 (gemma)
     window: int | None = None
     softcap: float | None = None
+    local_rope: bool = False
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: AttentionSpec) -> None:
         super().__init__()
-        if spec.softcap is not None:
-            raise ModelLoadError("attention soft-capping is not implemented by the paged attention kernels")
-        if spec.window is not None and (cfg.sliding_window is None or spec.window < cfg.sliding_window):
-            cap = cfg.sliding_window
-            raise ModelLoadError(f"a layer window of {spec.window} below the context cap {cap}")
+        if spec.window is not None and spec.window < 1:
+            raise ModelLoadError(f"a sliding window of {spec.window} tokens: it must be at least 1")
+        if spec.softcap is not None and not spec.softcap > 0:
+            raise ModelLoadError(f"attention soft-capping of {spec.softcap}: it must be > 0")
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -133,11 +162,12 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
-        # qwen3: each head's q and k normalized over head_dim before rotary.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # qwen3, gemma3: each head's q and k normalized over head_dim before rotary.
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.rotary_dim = cfg.rotary_dim
         self.scale = spec.scale
+        self.window, self.softcap, self.local_rope = spec.window, spec.softcap, spec.local_rope
 
     def _rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -160,12 +190,25 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self._rotate(q, k, batch.cos, batch.sin)
+        if self.local_rope:
+            if batch.local_cos is None or batch.local_sin is None:
+                raise RuntimeError("a local-rope layer ran without the local rope table's cos/sin")
+            q, k = self._rotate(q, k, batch.local_cos, batch.local_sin)
+        else:
+            q, k = self._rotate(q, k, batch.cos, batch.sin)
         K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if len(batch.decodes) == 1 and batch.num_decode == t:
             group = batch.decodes[0]
             out = K.paged_attention_decode(
-                q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale, batch.workspace
+                q,
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.context_lens,
+                self.scale,
+                batch.workspace,
+                self.window,
+                self.softcap,
             )
         else:
             out = torch.empty_like(q)
@@ -179,18 +222,36 @@ class Attention(nn.Module):
                     group.context_lens,
                     self.scale,
                     batch.workspace,
+                    self.window,
+                    self.softcap,
                 )
             for span in batch.prefills:
                 rows = slice(span.row, span.row + span.length)
                 out[rows] = K.paged_attention_prefill(
-                    q[rows], k_cache, v_cache, span.block_table, span.start_pos, self.scale
+                    q[rows],
+                    k_cache,
+                    v_cache,
+                    span.block_table,
+                    span.start_pos,
+                    self.scale,
+                    self.window,
+                    self.softcap,
                 )
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 # hidden_act -> fn(gate_up [T, 2I], gate first) -> act(gate) * up [T, I]. A new activation is one
 # entry (a K op where the kernels have one, else PyTorch, which every backend runs).
-GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": K.silu_and_mul}
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (gemma): gelu(gate, tanh approximation) * up, as transformers' gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": K.silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}
 
 
 class MLP(nn.Module):

@@ -10,14 +10,14 @@ model is `arch.layer(cfg, i)`). forward() maps token ids (first stage) or hidden
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from pipeserve.model.arch import get_arch
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.layers import AttentionBatch, Linear, RMSNorm
+from pipeserve.model.layers import AttentionBatch, Linear, RMSNorm, make_norm
 from pipeserve.model.native_decode import NativeDecoder
 from pipeserve.model.quant import native_kernels
 from pipeserve.model.rope import RotaryTable
@@ -62,8 +62,14 @@ class StageModel(nn.Module):
         arch = get_arch(cfg.model_type)
         self.layers = nn.ModuleList(arch.layer(cfg, i) for i in range(stage.layer_lo, stage.layer_hi))
         self.rotary = RotaryTable(cfg, max_len)
+        # gemma3's sliding layers rotate with their own base (AttentionSpec.local_rope), unscaled.
+        self.local_rotary = (
+            RotaryTable(replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None), max_len)
+            if cfg.local_rope_theta is not None
+            else None
+        )
         if stage.is_last:
-            self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm: RMSNorm | None = make_norm(cfg, cfg.hidden_size)
             self.lm_head: Linear | None = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
             self.norm = None
@@ -91,6 +97,12 @@ class StageModel(nn.Module):
         device = next(self.parameters()).device
         if "triton" in gaps and device.type == "cuda":
             log.info("stage %d: %s: PyTorch on CUDA (no Triton kernel)", self.stage.rank, gaps["triton"])
+        if "sdpa" in gaps and device.type == "cpu":
+            log.info(
+                "stage %d: %s: the reference attention (explicit scores: SDPA has no soft-capping)",
+                self.stage.rank,
+                gaps["sdpa"],
+            )
         if "native" in gaps:
             if native_kernels() is not None and device.type == "cpu":
                 log.info(
@@ -107,7 +119,8 @@ class StageModel(nn.Module):
         """Bytes of every weight the stage holds, packed projections and quantized ones (buffers)
         included; the rotary table is not a weight."""
         packed = [m.weight for m in self.modules() if isinstance(m, Linear) and m.weight.is_mkldnn]
-        quantized = [b for name, b in self.named_buffers() if not name.startswith("rotary.")]
+        tables = ("rotary.", "local_rotary.")
+        quantized = [b for name, b in self.named_buffers() if not name.startswith(tables)]
         # A tied lm_head is a second Parameter over the embedding's storage: count storages once.
         dense = {p.data_ptr(): p.numel() * p.element_size() for p in self.parameters()}
         return sum(dense.values()) + sum(t.numel() * t.element_size() for t in packed + quantized)
@@ -122,7 +135,15 @@ class StageModel(nn.Module):
 
         kv_cache: [layers_local, 2, N, BS, KVH, D].
         """
-        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(inputs)
+            if self.cfg.embed_scale is not None:  # gemma: the scale rounded to the dtype, as transformers
+                x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        else:
+            x = inputs
+        if self.local_rotary is not None:
+            local_cos, local_sin = self.local_rotary.gather(batch.positions)
+            batch = replace(batch, local_cos=local_cos, local_sin=local_sin)
         if self.native is not None and self.native.accepts(batch, x.shape[0], kv_cache):
             return self.native.forward(x, batch, kv_cache)
         for i, layer in enumerate(self.layers):
@@ -133,4 +154,8 @@ class StageModel(nn.Module):
         """hidden [R, hidden] (the rows to sample) -> float32 logits [R, vocab]."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("compute_logits called on a stage without lm_head")
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden))
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:  # transformers' order, in the model dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
