@@ -1917,6 +1917,22 @@ MUTANTS = [
         "        local_rope=False,",
         "tests/model/test_gemma.py -k 'greedy and gemma3'",
     ),
+    (
+        "GGUF: qwen3_moe's expert width read from the dense MLP's",
+        "services/pipeserve/model/arch/qwen3_moe.py",
+        '"moe_intermediate_size": int(meta.need("expert_feed_forward_length")),',
+        '"moe_intermediate_size": int(meta.need("feed_forward_length")),',
+        "tests/model/test_gguf_arch.py -k 'config_names and qwen3_moe'",
+    ),
+    (
+        "GGUF: mixtral's w1 and w3 experts swapped",
+        "services/pipeserve/model/arch/mixtral.py",
+        '"ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",\n'
+        '    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",',
+        '"ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",\n'
+        '    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",',
+        "tests/model/test_gguf_arch.py -k 'give_back and mixtral'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

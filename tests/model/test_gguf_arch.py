@@ -14,6 +14,7 @@ reads. A file of an architecture without a GgufSpec is refused, naming the suppo
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -32,12 +33,23 @@ from gguf_support import LLAMA_CPP_ARCH, write_gguf
 from pipeserve import LLM, SamplingParams
 from pipeserve.cli import main
 from pipeserve.errors import ExitCode, ModelLoadError
+from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf import SUPPORTED_ARCHITECTURES, convert_gguf
 from pipeserve.model.gguf_blocks import GgufBlocks
+from pipeserve.model.loader import load_stage_model
+from pipeserve.model.stage_model import StageSpec
 from pipeserve.model_path import resolve_model
 
 # model_type -> the model_type its GGUF file converts to (llama.cpp writes Mistral as llama).
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHS = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+}
 PROMPTS = random_prompts(3, 3, 24, 1024, seed=70)
 TOKENS = 12
 
@@ -84,20 +96,36 @@ def test_config_names_the_arch_and_its_fields(converted) -> None:
     fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     fields += ("num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps")
     assert {f: got[f] for f in fields} == {f: want[f] for f in fields}
-    if "head_dim" in want:
+    if want.get("head_dim") is not None:
         assert got["head_dim"] == want["head_dim"]
+    if model_type in ("mixtral", "qwen3_moe"):  # experts, top-k, width, dense layers, renormalization
+        moe = importlib.import_module(f"pipeserve.model.arch.{model_type}")
+        assert moe.moe_spec(got) == moe.moe_spec(want)
     if model_type == "phi3":
         assert got["partial_rotary_factor"] == 1.0 and got["sliding_window"] is None
         assert got["original_max_position_embeddings"] == want["original_max_position_embeddings"]
 
 
+def _params(path: Path) -> dict[str, torch.Tensor]:
+    """The parameters the loader builds from a checkpoint (experts stacked from either layout)."""
+    cfg = ModelConfig.from_dir(path, "float32")
+    spec = StageSpec(0, 1, 0, cfg.num_layers)
+    model = load_stage_model(path, cfg, spec, 16, torch.device("cpu"), "none")
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
 def test_float_files_give_back_the_checkpoint(converted) -> None:
     _, hf, out = converted
     want = load_file(str(hf / "model.safetensors"))
-    f32, f16 = (load_file(str(out[k] / "model.safetensors")) for k in ("f32", "f16"))
-    assert sorted(f32) == sorted(want)
-    assert [n for n in want if not torch.equal(f32[n], want[n])] == []
-    assert [n for n in want if not torch.equal(f16[n], want[n])] == []
+    f32 = load_file(str(out["f32"] / "model.safetensors"))
+    if ".experts." not in " ".join(f32):  # the HF names themselves (experts: v4's per-expert ones)
+        assert sorted(f32) == sorted(want)
+        assert [n for n in want if not torch.equal(f32[n], want[n])] == []
+    params = _params(hf)
+    for kind in ("f32", "f16"):
+        got = _params(out[kind])
+        assert sorted(got) == sorted(params)
+        assert [n for n in params if not torch.equal(got[n], params[n])] == [], kind
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -110,7 +138,8 @@ def test_served_greedy_equals_transformers(converted, stages: int) -> None:
 def test_q8_blocks_are_its_dequantized_checkpoint(converted) -> None:
     _, _, out = converted
     floats = load_file(str(out["q8"] / "model.safetensors"))
-    want = {n for n, t in floats.items() if _q8(n) is not None and t.dim() == 2}
+    # the writer quantizes the 2-D tensors: not biases, norms or the stacked experts
+    want = {n for n, t in floats.items() if _q8(n) and t.dim() == 2 and ".experts." not in n}
     with GgufBlocks(out["q8"]) as blocks:
         assert blocks.names == want
         for name in sorted(want):

@@ -3,7 +3,12 @@ head_dim) with routed experts as the MLP (model/moe.py, arch/routed.py): softmax
 the top `num_experts_per_tok`, renormalized only when `norm_topk_prob`, weights in the activations'
 dtype. A layer in `mlp_only_layers`, or off the `decoder_sparse_step` beat, keeps the dense gated MLP
 (`intermediate_size`); experts are `moe_intermediate_size` wide. No shared experts (Qwen2-MoE's).
-GGUF files of this arch are refused (no GgufSpec)."""
+
+GGUF: llama.cpp's `qwen3moe`: qwen3's tensors, the router `ffn_gate_inp`, the experts stacked per
+block (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: [E, rows, cols]) and their width as
+`expert_feed_forward_length`; llama.cpp always renormalizes the top-k weights (norm_topk_prob). A
+block with a dense MLP (`ffn_gate`, llama's names: mlp_only_layers, which llama.cpp's qwen3moe does
+not have) is read as one."""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ from torch import nn
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.arch import qwen3
-from pipeserve.model.arch.base import Arch, Source
+from pipeserve.model.arch.base import Arch, GgufSpec, Source
 from pipeserve.model.arch.routed import routed_layer, routed_unsupported, routed_weights
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.gguf_meta import GgufMeta
 from pipeserve.model.moe import MoeSpec
 
 
@@ -51,4 +57,33 @@ def weights(cfg: ModelConfig, index: int) -> dict[str, Source]:
     return routed_weights(cfg, index, moe_spec(cfg.raw), ("mlp.gate.weight",), "mlp.experts", names)
 
 
-ARCH = Arch("qwen3_moe", "Qwen3MoeForCausalLM", config, weights, layer, routed_unsupported)
+GGUF_NAMES = {
+    **qwen3.GGUF_NAMES,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
+}
+
+
+def gguf_config(meta: GgufMeta) -> dict:
+    return {
+        **qwen3.gguf_config(meta),
+        "num_experts": int(meta.need("expert_count")),
+        "num_experts_per_tok": int(meta.need("expert_used_count")),
+        "moe_intermediate_size": int(meta.need("expert_feed_forward_length")),
+        "norm_topk_prob": True,
+        "mlp_only_layers": meta.blocks_with("ffn_gate.weight"),
+        "decoder_sparse_step": 1,
+    }
+
+
+ARCH = Arch(
+    "qwen3_moe",
+    "Qwen3MoeForCausalLM",
+    config,
+    weights,
+    layer,
+    routed_unsupported,
+    gguf=GgufSpec("qwen3moe", GGUF_NAMES, gguf_config),
+)
