@@ -404,7 +404,7 @@ MUTANTS = [
     (
         "GGUF control tokens not matched whole",
         "services/pipeserve/model/gguf_tokenizer.py",
-        "            if k == CONTROL",
+        "            if k in specials",
         "            if k == -1",
         "tests/model/test_gguf.py -k round_trip_config_and_tokenizer",
     ),
@@ -1932,6 +1932,62 @@ MUTANTS = [
         '"ffn_gate_exps.weight": "block_sparse_moe.experts.{e}.w3.weight",\n'
         '    "ffn_up_exps.weight": "block_sparse_moe.experts.{e}.w1.weight",',
         "tests/model/test_gguf_arch.py -k 'give_back and mixtral'",
+    ),
+    (
+        "GGUF tokenizer: the file's pre-tokenizer ignored (GPT-2's split for every family)",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        "    tok.pre_tokenizer = PRE_TOKENIZERS[pre]()",
+        '    tok.pre_tokenizer = PRE_TOKENIZERS["gpt2"]()',
+        "tests/model/test_gguf_tokenizer.py -k familys_ids",
+    ),
+    (
+        "GGUF tokenizer: Qwen2's NFC normalization dropped",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        "    if pre in NFC_PRE:",
+        "    if False:",
+        "tests/model/test_gguf_tokenizer.py -k 'familys_ids and qwen2'",
+    ),
+    (
+        "GGUF tokenizer: phi3's per-segment prefix space taken as Llama's",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        '    elif arch == "phi3":',
+        "    elif False:",
+        "tests/model/test_gguf_tokenizer.py -k 'familys_ids and phi3'",
+    ),
+    (
+        "GGUF tokenizer: gemma's merges by its scores, not its pieces' order",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        "        rank = [-float(i) for i in range(len(tokens))]",
+        '        rank = [float(x) for x in meta["tokenizer.ggml.scores"]]',
+        "tests/model/test_gguf_tokenizer.py -k 'familys_ids and gemma'",
+    ),
+    (
+        "GGUF tokenizer: gemma's runs of spaces kept as spaces",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        '        tokens = [SPACE * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]',
+        "        tokens = list(tokens)",
+        "tests/model/test_gguf_tokenizer.py -k 'familys_ids and gemma'",
+    ),
+    (
+        "GGUF tokenizer: SentencePiece merges worst score first",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        "                found.append((-rank[i], -len(left)",
+        "                found.append((rank[i], -len(left)",
+        "tests/model/test_gguf_tokenizer.py -k 'familys_ids and mistral'",
+    ),
+    (
+        "GGUF tokenizer: no BOS for a SentencePiece file without add_bos_token",
+        "services/pipeserve/model/gguf_tokenizer.py",
+        'meta.get("tokenizer.ggml.model") == "llama"',
+        "False",
+        "tests/model/test_gguf_tokenizer.py -k without_the_flag",
+    ),
+    (
+        "up binds the router's port only once the stages run",
+        "services/pipeserve/supervisor/up.py",
+        "        sock.bind((router.host, router.port))",
+        "        pass",
+        "tests/supervisor/test_up_model_path.py -k port_in_use",
     ),
 ]
 
