@@ -203,6 +203,8 @@ def running_up(*args: str, log_dir: Path, env: dict[str, str] | None = None) -> 
         yield server
     finally:
         assert server.stop() == 0, server.log()[-3000:]
+        # the signal by its name: "shutting down (signal 1)" read like SIGHUP
+        assert "SIGTERM: shutting down" in server.log(), server.log()[-3000:]
 
 
 @contextlib.contextmanager

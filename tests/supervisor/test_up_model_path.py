@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -233,3 +234,21 @@ def test_a_quantized_gguf_is_served_from_its_blocks_unless_asked(
     general = gguf.Keys.General  # the keys llama.cpp writes, as gguf-py 0.19 names them
     sampling = (general.SAMPLING_TEMP, general.SAMPLING_TOP_K, general.SAMPLING_TOP_P, general.SAMPLING_MIN_P)
     assert set(SAMPLING_KEYS) == {*sampling, general.SAMPLING_PENALTY_REPEAT}
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path, llama_dir: Path) -> None:
+    """A second server on the router's port: up used to start Redis and the stages, then fail to bind
+    and leave a stage behind for 15-20 s."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeserve.cli", "up", "--model", str(llama_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PIPESERVE_HOME": str(tmp_path / "home")},
+        )
+    assert_refused_before_start(done.returncode, done.stderr, 0.0, 1)
+    assert f"port: cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -130,7 +131,25 @@ def build_configs(args: argparse.Namespace) -> UpConfigs:
     return UpConfigs(engine, serve, router, supervisor, args.replicas)
 
 
-async def serve_up(configs: UpConfigs) -> int:
+def bind_router_port(router: RouterConfig) -> socket.socket:
+    """The router's listening address, bound before anything starts: a port already in use (another
+    server, a second `make run`) is refused before Redis and the stages are, so none is left behind.
+    uvicorn serves on this socket."""
+    family = socket.AF_INET6 if ":" in router.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+    try:
+        sock.bind((router.host, router.port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"port: cannot listen on {router.host}:{router.port} ({e.strerror}); is another server "
+            f"running there? Choose another with --port"
+        ) from None
+    return sock
+
+
+async def serve_up(configs: UpConfigs, sock: socket.socket) -> int:
     engine = configs.engine
 
     from pipeserve.local.redis_server import LocalRedis
@@ -144,7 +163,7 @@ async def serve_up(configs: UpConfigs) -> int:
         # Started beside the stages, which reach L3 only after importing torch and loading weights.
         redis_start = asyncio.create_task(asyncio.to_thread(redis.start))
     try:
-        return await _serve_groups(configs, engine, registry, redis, redis_start)
+        return await _serve_groups(configs, engine, registry, redis, redis_start, sock)
     finally:
         if redis_start is not None:
             await asyncio.wait([redis_start], timeout=15.0)  # start() has its own 10 s deadline
@@ -169,6 +188,7 @@ async def _serve_groups(
     registry: CollectorRegistry,
     redis: LocalRedis | None,
     redis_start: asyncio.Task[LocalRedis] | None,
+    sock: socket.socket,
 ) -> int:
     serve, router = configs.serve, configs.router
     from pipeserve.supervisor.group import GroupSlot
@@ -217,19 +237,21 @@ async def _serve_groups(
     )
     signals = 0
 
-    def on_signal() -> None:
+    def on_signal(sig: signal.Signals) -> None:
         nonlocal signals
         signals += 1
         server.should_exit = True
         if signals > 1:
             server.force_exit = True
-        log.info("shutting down (signal %d)", signals)
+            log.info("%s again: stopping now, without draining", sig.name)
+        else:
+            log.info("%s: shutting down (draining; a second signal stops at once)", sig.name)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     await replica_set.start()
-    http = asyncio.create_task(server.serve())
+    http = asyncio.create_task(server.serve(sockets=[sock]))
 
     async def announce() -> None:
         while not supervisor.all_ready.is_set():  # set on the supervisor's thread
@@ -274,9 +296,13 @@ def run_up(args: argparse.Namespace) -> int:
     from pipeserve.obs.tracing import setup_tracing  # the stages inherit OTEL_* and PIPESERVE_TRACE_FILE
 
     configs = build_configs(args)
-    check_model(configs)
-    traces = setup_tracing("pipeserve-router")
+    sock = bind_router_port(configs.router)
     try:
-        return asyncio.run(serve_up(configs))
+        check_model(configs)
+        traces = setup_tracing("pipeserve-router")
+        try:
+            return asyncio.run(serve_up(configs, sock))
+        finally:
+            traces.shutdown(deadline_s=3.0)
     finally:
-        traces.shutdown(deadline_s=3.0)
+        sock.close()
