@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -55,6 +56,7 @@ class GgufBlocks:
     """The blocks of one converted checkpoint; tensors are read on demand (one projection at a time)."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        self._file: Any = None  # safe_open while inside `with`
         self.path = Path(model_dir) / BLOCKS_FILE
         if not self.path.is_file():
             raise ModelLoadError(
@@ -82,7 +84,7 @@ class GgufBlocks:
         self._file = None
 
     def _get(self, keys: list[str]) -> list[torch.Tensor]:
-        if getattr(self, "_file", None) is None:
+        if self._file is None:
             raise RuntimeError("GgufBlocks is read inside `with GgufBlocks(...) as blocks:`")
         # copies: a tensor left on the file's mmap keeps the whole mapping resident
         return [self._file.get_tensor(k).clone() for k in keys]

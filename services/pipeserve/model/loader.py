@@ -14,7 +14,7 @@ import json
 import logging
 import struct
 from collections import defaultdict
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import torch
@@ -97,6 +97,11 @@ def model_fingerprint(
     return h.hexdigest()
 
 
+def _under(prefix: str, names: Container[str]) -> Callable[[str], bool]:
+    """Whether a layer's tensor (a name under `prefix`) is among `names` (Either.choose's test)."""
+    return lambda n: prefix + n in names
+
+
 def stage_tensor_names(cfg: ModelConfig, stage: StageSpec, present: Container[str]) -> list[str]:
     """The checkpoint tensors `stage` reads: its layers' (the arch's weight names; of a parameter
     stored in more than one layout, the one the checkpoint's tensor names `present` hold), the
@@ -107,7 +112,7 @@ def stage_tensor_names(cfg: ModelConfig, stage: StageSpec, present: Container[st
         prefix = LAYER_PREFIX.format(i)
         for source in arch.weights(cfg, i).values():
             if isinstance(source, Either):
-                source = source.choose(lambda n, p=prefix: p + n in present)
+                source = source.choose(_under(prefix, present))
             names += [prefix + n for n in checkpoint_names(source)]
     if stage.is_last:
         names += [NORM, EMBED if cfg.tie_word_embeddings else HEAD]
@@ -208,7 +213,7 @@ def _fuse(t: dict[str, torch.Tensor], cfg: ModelConfig, stage: StageSpec) -> dic
         src, dst = LAYER_PREFIX.format(i), f"layers.{local}."
         for param, source in arch.weights(cfg, i).items():
             if isinstance(source, Either):  # the layout the stage read (stage_tensor_names chose it)
-                source = source.choose(lambda n, p=src: p + n in t)
+                source = source.choose(_under(src, t))
             if isinstance(source, Stack):  # per-expert tensors -> [E, ...], each expert's parts in order
                 names = [src + n for n in source.names()]
                 if all(n in t for n in names):
