@@ -105,6 +105,7 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, model_type: str) -> None:
     """The keys llama.cpp's converter writes for `model_type` (TextModel.set_gguf_parameters and the
     arch's own class: LlamaModel, Qwen2MoeModel, Phi3MiniModel, Gemma2Model, Gemma3Model)."""
     rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope)  # gemma3: per layer kind; the global layers' here
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -112,7 +113,12 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, model_type: str) -> None:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(cfg.get("num_key_value_heads", heads))
-    w.add_rope_freq_base(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    w.add_rope_freq_base(cfg.get("rope_theta", full.get("rope_theta", 10000.0)))
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if "rope_theta" in rope.get("sliding_attention", {}):
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if experts is not None:
@@ -140,6 +146,12 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, model_type: str) -> None:
         if cfg.get("final_logit_softcapping") is not None:
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         w.add_sliding_window(cfg["sliding_window"])
+        # llama.cpp's default local layers: all but every 2nd (gemma2) / 6th (gemma3); another layout
+        # as the bool per layer its loader reads (what its Gemma3n converter writes)
+        n = 2 if model_type == "gemma2" else 6
+        local = [kind == "sliding_attention" for kind in cfg["layer_types"]]
+        if local != [i % n < n - 1 for i in range(len(local))]:
+            w.add_sliding_window_pattern(local)
 
 
 def _gpt2_vocab(w: gguf.GGUFWriter, hf_dir: Path, tokenizer_model: str, pre: str) -> None:

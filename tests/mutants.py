@@ -1996,6 +1996,27 @@ MUTANTS = [
         "        pass",
         "tests/supervisor/test_up_model_path.py -k port_in_use",
     ),
+    (
+        "GGUF: gemma2's norms kept as llama.cpp's 1 + w",
+        "services/pipeserve/model/arch/gemma2.py",
+        'gguf=GgufSpec("gemma2", GGUF_NAMES, gguf_config, norm_shift=1.0),',
+        'gguf=GgufSpec("gemma2", GGUF_NAMES, gguf_config, norm_shift=0.0),',
+        "tests/model/test_gguf_arch.py -k 'give_back and gemma2'",
+    ),
+    (
+        "GGUF: gemma3's local layers rotated with the global base",
+        "services/pipeserve/model/arch/gemma3_text.py",
+        'meta.f32("rope.freq_base_swa", 10_000.0)',
+        'meta.f32("rope.freq_base", 10_000.0)',
+        "tests/model/test_gguf_arch.py -k 'config_names and gemma3'",
+    ),
+    (
+        "GGUF: Gemma 27B's query scale taken as head_dim's",
+        "services/pipeserve/model/arch/gemma2.py",
+        '"query_pre_attn_scalar": hidden // heads if big else head_dim,',
+        '"query_pre_attn_scalar": head_dim,',
+        "tests/model/test_gguf_arch.py -k 27b",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

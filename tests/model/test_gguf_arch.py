@@ -49,7 +49,13 @@ ARCHS = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3_text",
 }
+# llama.cpp scales Gemma's queries by head_dim**-0.5 (what Gemma's own configs say, but for the 27B),
+# not by query_pre_attn_scalar: the tiny checkpoints take that value so that a file can hold them.
+CONFIG = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3_text": {"query_pre_attn_scalar": 16}}
+GEMMA = ("gemma2", "gemma3_text")
 PROMPTS = random_prompts(3, 3, 24, 1024, seed=70)
 TOKENS = 12
 
@@ -71,7 +77,7 @@ def converted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     """(model_type, HF checkpoint, {file type: converted dir})."""
     model_type = request.param
     tmp = tmp_path_factory.mktemp(f"gguf-{model_type}")
-    hf = _fp16_exact(write_hf_checkpoint(tmp / "hf", model_type))
+    hf = _fp16_exact(write_hf_checkpoint(tmp / "hf", model_type, **CONFIG.get(model_type, {})))
     out = {}
     for kind, quant in (("f32", None), ("f16", lambda n: None if n.endswith("norm.weight") else Q.F16)):
         src = write_gguf(hf, tmp / f"{kind}.gguf", quant=quant)
@@ -101,6 +107,13 @@ def test_config_names_the_arch_and_its_fields(converted) -> None:
     if model_type in ("mixtral", "qwen3_moe"):  # experts, top-k, width, dense layers, renormalization
         moe = importlib.import_module(f"pipeserve.model.arch.{model_type}")
         assert moe.moe_spec(got) == moe.moe_spec(want)
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        if model_type in GEMMA:
+            assert got[key] == want[key], key
+    if model_type in GEMMA:
+        assert got["layer_types"] == want["layer_types"] and got["sliding_window"] == want["sliding_window"]
+    if model_type == "gemma3_text":  # the global layers' base and linear scaling, the local layers' base
+        assert got["rope_parameters"] == want["rope_parameters"]
     if model_type == "phi3":
         assert got["partial_rotary_factor"] == 1.0 and got["sliding_window"] is None
         assert got["original_max_position_embeddings"] == want["original_max_position_embeddings"]
@@ -115,17 +128,26 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_float_files_give_back_the_checkpoint(converted) -> None:
-    _, hf, out = converted
+    model_type, hf, out = converted
     want = load_file(str(hf / "model.safetensors"))
     f32 = load_file(str(out["f32"] / "model.safetensors"))
+    gemma = model_type in GEMMA
     if ".experts." not in " ".join(f32):  # the HF names themselves (experts: v4's per-expert ones)
         assert sorted(f32) == sorted(want)
-        assert [n for n in want if not torch.equal(f32[n], want[n])] == []
+        assert [n for n in want if not _same(n, f32[n], want[n], gemma)] == []
     params = _params(hf)
     for kind in ("f32", "f16"):
         got = _params(out[kind])
         assert sorted(got) == sorted(params)
-        assert [n for n in params if not torch.equal(got[n], params[n])] == [], kind
+        assert [n for n in params if not _same(n, got[n], params[n], gemma)] == [], kind
+
+
+def _same(name: str, a: torch.Tensor, b: torch.Tensor, gemma: bool) -> bool:
+    """Gemma's norms come back as fl(1 + w) - 1 (llama.cpp stored fl(1 + w)): the same 1 + w that
+    its (1 + w) RMSNorm computes; every other tensor exactly."""
+    if gemma and name.endswith("norm.weight"):
+        return torch.equal(1 + a, 1 + b)
+    return torch.equal(a, b)
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -183,3 +205,17 @@ def test_phi3_partial_rotary_is_read_back(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "config.json").read_text())["partial_rotary_factor"] == 0.5
     want = [hf_greedy(hf, p, TOKENS, ignore_eos=True) for p in PROMPTS]
     assert _greedy(tmp_path / "out", 1) == want
+
+
+def test_gemma_27b_files_scale_queries_by_hidden_over_heads() -> None:
+    """llama.cpp's one exception to head_dim**-0.5 (Gemma 2 27B: 46 layers, Gemma 3 27B: 62), which is
+    what those models' query_pre_attn_scalar says (4608 / 32 = 144, head_dim 128)."""
+    from pipeserve.model.arch import gemma2, gemma3_text
+    from pipeserve.model.gguf_meta import GgufMeta
+
+    sizes = {"embedding_length": 4608, "attention.head_count": 32, "attention.key_length": 128}
+    for module, name, deep in ((gemma2, "gemma2", 46), (gemma3_text, "gemma3", 62)):
+        for layers, scalar in ((deep, 144), (deep - 4, 128)):
+            keys = {**sizes, "block_count": layers, "attention.sliding_window": 4096}
+            meta = GgufMeta.of({"general.architecture": name, **{f"{name}.{k}": v for k, v in keys.items()}})
+            assert module.ARCH.gguf.config(meta)["query_pre_attn_scalar"] == scalar, (name, layers)

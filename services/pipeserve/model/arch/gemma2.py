@@ -9,15 +9,23 @@ the last `sliding_window` positions (layers.AttentionSpec.window, applied by the
 kernels, so the context is not capped). With a softcap the CPU path computes explicit attention
 scores (SDPA has none): said once in the log (arch `unsupported`: "sdpa").
 
-gemma3_text.py reuses these parts. GGUF files of Gemma are not converted (llama.cpp stores the
-norms as 1 + weight; gguf=None).
+gemma3_text.py reuses these parts.
+
+GGUF: llama.cpp's `gemma2` (NEOX rope: rows unpermuted) stores every norm weight as 1 + w (given back
+by gguf.py: norm_shift), names the four norms attn_norm, post_attention_norm, ffn_norm and
+post_ffw_norm, leaves lm_head out (tied), and keeps no query_pre_attn_scalar: it scales by
+head_dim**-0.5, by (hidden/heads)**-0.5 for the 27B (46 layers), which is what Gemma's configs say.
+Local layers: `attention.sliding_window_pattern` (a bool per layer, or every n-th layer global), else
+llama.cpp's default for the arch (2); softcaps default to llama.cpp's (50, 30).
 """
 
 from __future__ import annotations
 
 from pipeserve.errors import ModelLoadError
-from pipeserve.model.arch.base import Arch, Cat, Source, dense_weights
+from pipeserve.model.arch.base import Arch, Cat, GgufSpec, Source, dense_weights
+from pipeserve.model.arch.llama import GGUF_BLOCK_NAMES
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.gguf_meta import GgufMeta
 from pipeserve.model.layers import GATED_ACTIVATIONS, AttentionSpec
 from pipeserve.model.sandwich import SandwichDecoderLayer
 
@@ -106,4 +114,56 @@ def layer(cfg: ModelConfig, index: int) -> SandwichDecoderLayer:
     return SandwichDecoderLayer(cfg, attention_spec(cfg, index, 2, softcap=True))
 
 
-ARCH = Arch("gemma2", "Gemma2ForCausalLM", config, weights=weights, layer=layer, unsupported=unsupported)
+GGUF_NAMES = {
+    **{k: v for k, v in GGUF_BLOCK_NAMES.items() if "norm" not in k},
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def gguf_layer_types(meta: GgufMeta, default: int) -> list[str]:
+    """llama.cpp's local layers: the pattern's bool per layer, or layer i local unless
+    i % n == n - 1 (hparams.set_swa_pattern), n the file's or the arch's default."""
+    n_layers = int(meta.need("block_count"))
+    pattern = meta.get("attention.sliding_window_pattern", default)
+    if isinstance(pattern, list):
+        return [SLIDING if local else FULL for local in pattern]
+    return [SLIDING if i % int(pattern) < int(pattern) - 1 else FULL for i in range(n_layers)]
+
+
+def gguf_gemma_config(meta: GgufMeta, big_layers: int, pattern: int) -> dict:
+    """What Gemma 2 and 3 files share: the activation, the attention scale llama.cpp uses (the 27B's,
+    `big_layers` deep, is (hidden/heads)**-0.5), local layers and their window."""
+    hidden, heads = int(meta.need("embedding_length")), int(meta.need("attention.head_count"))
+    head_dim = int(meta.get("attention.key_length", hidden // heads))
+    big = int(meta.need("block_count")) == big_layers
+    window = int(meta.get("attention.sliding_window", 0))
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if big else head_dim,
+        "sliding_window": window or None,
+        "layer_types": gguf_layer_types(meta, pattern) if window else [FULL] * int(meta.need("block_count")),
+    }
+
+
+def gguf_config(meta: GgufMeta) -> dict:
+    return {
+        **gguf_gemma_config(meta, 46, 2),
+        "sliding_window": int(meta.get("attention.sliding_window", 4096)),
+        "layer_types": gguf_layer_types(meta, 2),
+        "attn_logit_softcapping": meta.f32("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": meta.f32("final_logit_softcapping", 30.0),
+    }
+
+
+ARCH = Arch(
+    "gemma2",
+    "Gemma2ForCausalLM",
+    config,
+    weights=weights,
+    layer=layer,
+    unsupported=unsupported,
+    gguf=GgufSpec("gemma2", GGUF_NAMES, gguf_config, norm_shift=1.0),
+)
