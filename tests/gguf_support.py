@@ -13,6 +13,7 @@ type: F16, BF16, gguf's own quantizers (Q4_0, Q4_1, Q8_0) or pipeserve's referen
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -61,6 +62,8 @@ GEMMA = {"gemma2", "gemma3_text"}  # their norm weights are written as 1 + w
 
 
 def gguf_name(hf: str, model_type: str = "llama", blocks: int = 64) -> str:
+    if hf == "rope_freqs.weight":
+        return hf
     """gguf-py's own name for HF tensor `hf` (its TensorNameMap for the file's architecture: the
     names llama.cpp's converter writes), independent of pipeserve's GgufSpec. A dense MLP in a
     qwen3moe file (mlp_only_layers: not in llama.cpp's qwen3moe) takes llama's names."""
@@ -208,6 +211,28 @@ def gguf_tensors(hf_dir: Path, cfg: dict) -> list[tuple[str, np.ndarray]]:
     return out
 
 
+def _rope_freqs(cfg: dict) -> list[tuple[str, np.ndarray]]:
+    """llama3 rope scaling as LlamaModel.generate_extra_tensors writes it: each frequency's divisor."""
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") != "llama3":
+        return []
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return [("rope_freqs.weight", np.array(out, dtype=np.float32))]
+
+
 def write_gguf(
     hf_dir: Path,
     path: Path,
@@ -226,7 +251,7 @@ def write_gguf(
     _metadata(w, cfg, model_type)
     _gpt2_vocab(w, hf_dir, tokenizer_model, pre)
     blocks = cfg["num_hidden_layers"]
-    for name, a in gguf_tensors(hf_dir, cfg):
+    for name, a in [*gguf_tensors(hf_dir, cfg), *_rope_freqs(cfg)]:
         a = np.ascontiguousarray(a)
         qtype = quant(name) if quant and a.ndim == 2 else None
         if qtype is None:

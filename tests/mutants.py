@@ -2017,6 +2017,13 @@ MUTANTS = [
         '"query_pre_attn_scalar": head_dim,',
         "tests/model/test_gguf_arch.py -k 27b",
     ),
+    (
+        "GGUF: llama3 rope's original length taken as Llama 3's 8192 whatever the divisors say",
+        "services/pipeserve/model/arch/llama.py",
+        "        old = round(slope / -offset)",
+        "        old = 8192",
+        "tests/model/test_gguf_arch.py -k 'llama3_rope_factors'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

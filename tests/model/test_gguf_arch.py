@@ -219,3 +219,34 @@ def test_gemma_27b_files_scale_queries_by_hidden_over_heads() -> None:
             keys = {**sizes, "block_count": layers, "attention.sliding_window": 4096}
             meta = GgufMeta.of({"general.architecture": name, **{f"{name}.{k}": v for k, v in keys.items()}})
             assert module.ARCH.gguf.config(meta)["query_pre_attn_scalar"] == scalar, (name, layers)
+
+
+def test_llama3_rope_factors_are_read_back(tmp_path: Path) -> None:
+    """Llama 3.1+'s llama3 rope scaling, which llama.cpp writes as a tensor of divisors (rope_freqs),
+    comes back as the parameters that give it, and the served tokens are transformers'."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama3["original_max_position_embeddings"] = 64
+    hf = write_hf_checkpoint(tmp_path / "hf", "llama", rope_scaling=llama3)
+    src = write_gguf(hf, tmp_path / "llama3.gguf")
+    convert_gguf(src, tmp_path / "out")
+    want = json.loads((hf / "config.json").read_text())["rope_parameters"]
+    got = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert got == want
+    assert _greedy(tmp_path / "out", 1) == [hf_greedy(hf, p, TOKENS, ignore_eos=True) for p in PROMPTS]
+
+
+def test_llama3_rope_parameters_of_the_llama_3_releases() -> None:
+    """Llama 3.1 (factor 8) and 3.2 (factor 32) divisors as llama.cpp writes them give their
+    parameters back; divisors no llama3 parameters give are refused by name."""
+    from gguf_support import _rope_freqs
+    from pipeserve.model.arch.llama import llama3_rope
+
+    for factor in (8.0, 32.0):
+        params = {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        params["original_max_position_embeddings"] = 8192
+        cfg = {"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128}
+        cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, **params}
+        [(_, divisors)] = _rope_freqs(cfg)
+        assert llama3_rope(divisors, 500000.0) == params
+    with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight: no llama3 rope parameters"):
+        llama3_rope(divisors[::-1].copy(), 500000.0)

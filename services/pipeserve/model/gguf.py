@@ -154,15 +154,27 @@ def hf_config(meta: GgufMeta, has_output: bool) -> tuple[dict, dict]:
         "dtype": "float32",
     }
     config.update(arch.gguf.config(meta))
+    if "rope_freqs.weight" in meta.tensor_names and config["rope_parameters"].get("rope_type") != "llama3":
+        raise ModelLoadError(
+            f"GGUF tensor rope_freqs.weight: llama3 rope factors in a {arch.model_type} file"
+        )
     gen = {
         k: v
         for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad))
         if v is not None
     }
     for key, name in SAMPLING_KEYS.items():
-        if meta.get(key) is not None:
+        if meta.fields.get(key) is not None:
             gen[name] = int(meta.fields[key]) if name == "top_k" else f32(meta.fields[key])
     return config, gen
+
+
+# Tensors a spec reads into config.json (llama's llama3 rope factors), not weights of the checkpoint.
+CONFIG_TENSORS = ("rope_freqs.weight",)
+
+
+def _weights(reader) -> list:
+    return [t for t in reader.tensors if t.name not in CONFIG_TENSORS]
 
 
 def hf_names(gguf_name: str, spec, rows: int) -> list[str]:
@@ -243,7 +255,7 @@ def dequantized(tensor) -> np.ndarray:
 def hf_tensors(reader, spec, config: dict, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the file under its HF name, float32, as HF holds it (`to_hf`)."""
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in _weights(reader):
         for name, w in _split(t.name, torch.from_numpy(dequantized(t)), spec):
             out[name] = to_hf(name, w, spec, config)
         if progress is not None:
@@ -258,7 +270,7 @@ def hf_blocks(reader, spec, config: dict) -> dict[str, torch.Tensor]:
     from pipeserve.model.gguf_types import read_blocks
 
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in _weights(reader):
         blocks = read_blocks(t)
         if blocks is None:
             continue
@@ -281,20 +293,21 @@ def convert_gguf(src: str | Path, dst: str | Path, progress_s: float | None = No
         raise ModelLoadError(f"{out} already exists and is not an empty directory")
     reader = open_gguf(src)
     fields = metadata(reader)
-    meta = GgufMeta.of(fields, (t.name for t in reader.tensors))
+    by_name = {t.name: t for t in reader.tensors}
+    meta = GgufMeta.of(fields, by_name, lambda name: dequantized(by_name[name]))
     has_output = "output.weight" in meta.tensor_names
     config, gen = hf_config(meta, has_output)
     spec = file_arch(meta).gguf
     check_types(reader.tensors)
     types = {
         name: type_name(t)
-        for t in reader.tensors
+        for t in _weights(reader)
         for name in hf_names(t.name, spec, int(t.shape[-1]) if len(t.shape) == 3 else 1)
     }
     if progress_s is None:
         tensors = hf_tensors(reader, spec, config)
     else:
-        total = sum(int(t.n_bytes) for t in reader.tensors)
+        total = sum(int(t.n_bytes) for t in _weights(reader))
         with Progress(f"converting {Path(src).name}", total, log, interval_s=progress_s) as progress:
             tensors = hf_tensors(reader, spec, config, progress)
     out.parent.mkdir(parents=True, exist_ok=True)

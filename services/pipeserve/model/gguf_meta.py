@@ -3,13 +3,14 @@
 `GgufMeta(fields, tensor_names)`: the file's key-value fields (gguf.py's `metadata`) and the names of
 its tensors. Keys under the architecture's prefix (`llama.block_count`) are read without it:
 `meta.need("block_count")`, `meta.get("attention.sliding_window")`. A key the converter needs and the
-file lacks is a ModelLoadError naming it. Floats stored as float32 come back as the decimal the model
+file lacks is a ModelLoadError naming it. `tensor(name)` reads a small tensor a spec turns into config
+(llama's `rope_freqs`), as float32 in HF shape. Floats stored as float32 come back as the decimal the model
 was saved with (`f32`), so a converted config holds `1e-06`, not `9.99999997e-07`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,10 +29,21 @@ def f32(value: float) -> float:
 class GgufMeta:
     fields: Mapping[str, Any]
     tensor_names: frozenset[str] = field(default_factory=frozenset)
+    read: Callable[[str], np.ndarray] | None = None
 
     @classmethod
-    def of(cls, fields: Mapping[str, Any], tensor_names: Iterable[str] = ()) -> GgufMeta:
-        return cls(fields, frozenset(tensor_names))
+    def of(
+        cls,
+        fields: Mapping[str, Any],
+        tensor_names: Iterable[str] = (),
+        read: Callable[[str], np.ndarray] | None = None,
+    ) -> GgufMeta:
+        return cls(fields, frozenset(tensor_names), read)
+
+    def tensor(self, name: str) -> np.ndarray:
+        if self.read is None or name not in self.tensor_names:
+            raise ModelLoadError(f"GGUF file lacks tensor {name}")
+        return self.read(name)
 
     @property
     def arch(self) -> str:
