@@ -39,9 +39,3 @@ def get_arch(model_type: object) -> Any:
             f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return importlib.import_module(f"{__name__}.{REGISTRY[model_type]}").ARCH
-
-
-def gguf_architectures() -> dict[str, Any]:
-    """llama.cpp architecture name (`general.architecture`) -> the Arch whose GGUF files convert."""
-    found = (get_arch(t) for t in SUPPORTED_MODEL_TYPES)
-    return {a.gguf.name: a for a in found if a.gguf is not None}
