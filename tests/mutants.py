@@ -2024,6 +2024,20 @@ MUTANTS = [
         "        old = 8192",
         "tests/model/test_gguf_arch.py -k 'llama3_rope_factors'",
     ),
+    (
+        "mistral: sliding window dropped (full attention past the window)",
+        "services/pipeserve/model/arch/mistral.py",
+        '        "sliding_window": int(window) if window else None,',
+        '        "sliding_window": None,',
+        "tests/model/test_window.py -k 'greedy and mistral'",
+    ),
+    (
+        "qwen2: the window on the layers below max_window_layers instead of from it on",
+        "services/pipeserve/model/arch/qwen2.py",
+        '        SLIDING if i >= int(raw.get("max_window_layers", 28)) else FULL for i in range(n)',
+        '        SLIDING if i < int(raw.get("max_window_layers", 28)) else FULL for i in range(n)',
+        "tests/model/test_window.py -k 'greedy and qwen2'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -60,8 +60,9 @@ class ModelConfig:
     attention_bias: bool
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
-    # A window every layer applies, honoured by capping max_model_len at it (ring/build.py: mistral,
-    # qwen2, phi3); None: no cap. Per-layer windows the kernels apply (gemma) are AttentionSpec's.
+    # The window of the layers that slide (mistral, phi3: every layer; qwen2/qwen3: from
+    # max_window_layers on), applied per layer by the paged kernels (layers.AttentionSpec.window);
+    # None: no layer slides. Gemma's local layers read theirs from the raw config.
     sliding_window: int | None = None
     hidden_act: str = "silu"  # the gated MLP's activation (layers.GATED_ACTIVATIONS)
     qk_norm: bool = False  # RMSNorm over each q/k head before rotary (qwen3)

@@ -44,11 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    # A sliding window caps nothing: the paged kernels apply it per layer (layers.AttentionSpec).
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None and cfg.sliding_window < limit:
-        # Attention here is full-context; capping at the window keeps it exact.
-        log.warning("capping max_model_len at sliding_window=%d", cfg.sliding_window)
-        limit = cfg.sliding_window
     exact = exact_context(cfg)
     if exact is not None and exact < limit:
         # longrope: past it transformers rotates the whole sequence anew (model/rope.py).

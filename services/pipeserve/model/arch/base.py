@@ -158,7 +158,8 @@ def dense_weights(cfg: ModelConfig, index: int) -> dict[str, Source]:
 
 
 def dense_layer(cfg: ModelConfig, index: int) -> nn.Module:
-    """layers.DecoderLayer with full attention at the head_dim**-0.5 scale (every layer alike)."""
+    """layers.DecoderLayer at the head_dim**-0.5 scale, every layer alike: full attention, or the
+    config's sliding window on each (mistral, phi3)."""
     return DecoderLayer(cfg, AttentionSpec(scale=cfg.head_dim**-0.5, window=cfg.sliding_window))
 
 
@@ -171,6 +172,8 @@ def dense_unsupported(cfg: ModelConfig) -> dict[str, str]:
         gaps.append("partial rotary")
     if cfg.hidden_act != "silu":
         gaps.append(f"{cfg.hidden_act} MLP")
+    if cfg.sliding_window is not None:
+        gaps.append("sliding window")
     return {"native": ", ".join(gaps)} if gaps else {}
 
 

@@ -1,5 +1,6 @@
-"""mistral: the llama layer without biases, and a sliding window (Mistral 7B v0.1: 4096) that caps
-the context (layers.AttentionSpec: the paged kernels attend the whole context). GGUF files of
+"""mistral: the llama layer without biases, and a sliding window on every layer (Mistral 7B v0.1:
+4096) that the paged kernels apply (layers.AttentionSpec.window; base.dense_layer): the context is
+not capped at it. GGUF files of
 Mistral models use llama.cpp's `llama` architecture (llama.py)."""
 
 from __future__ import annotations

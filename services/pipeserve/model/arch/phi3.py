@@ -1,7 +1,8 @@
 """phi3 (Phi-3, Phi-3.5, Phi-4-mini): the llama layer with q/k/v fused in one checkpoint tensor
 (`qkv_proj`: q rows, then k, then v) and gate/up in another (`gate_up_proj`: gate rows first), no
 biases; longrope scaling (`su` and `yarn` in older configs mean longrope, as transformers reads
-them), partial rotary (Phi-4-mini), and a sliding window that caps the context.
+them), partial rotary (Phi-4-mini), and a sliding window on every layer applied by the paged kernels
+(base.dense_layer; the context is not capped at it).
 
 GGUF: llama.cpp's `phi3` keeps both fused tensors (`attn_qkv`, and `ffn_up` holding gate then up),
 rows unpermuted (NEOX rope); `rope.dimension_count` is the rotated part of a head and a window of 0

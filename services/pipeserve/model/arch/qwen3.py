@@ -4,6 +4,8 @@ own weight) before rotary, `head_dim` independent of hidden/heads, no q/k/v/o bi
 
 The native decode step has no q/k norm: decode steps run the PyTorch layers (base.dense_unsupported).
 
+A sliding window as qwen2's (use_sliding_window, the layers from max_window_layers on: qwen2.layer).
+
 GGUF: llama.cpp's `qwen3` (NEOX rope: q/k rows unpermuted), llama's names plus the q/k norms; the
 head_dim is `attention.key_length`."""
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from pipeserve.model.arch.base import Arch, GgufSpec, check_activation
 from pipeserve.model.arch.llama import GGUF_BIAS_NAMES, GGUF_BLOCK_NAMES
-from pipeserve.model.arch.qwen2 import sliding_window
+from pipeserve.model.arch.qwen2 import layer, sliding_window
 from pipeserve.model.gguf_meta import GgufMeta
 
 
@@ -38,4 +40,4 @@ def gguf_config(meta: GgufMeta) -> dict:
     return {"attention_bias": bool(meta.blocks_with("attn_q.bias"))}
 
 
-ARCH = Arch("qwen3", "Qwen3ForCausalLM", config, gguf=GgufSpec("qwen3", GGUF_NAMES, gguf_config))
+ARCH = Arch("qwen3", "Qwen3ForCausalLM", config, layer=layer, gguf=GgufSpec("qwen3", GGUF_NAMES, gguf_config))
