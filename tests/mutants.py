@@ -2038,6 +2038,20 @@ MUTANTS = [
         '        SLIDING if i < int(raw.get("max_window_layers", 28)) else FULL for i in range(n)',
         "tests/model/test_window.py -k 'greedy and qwen2'",
     ),
+    (
+        "an L2 load leaves the stage's last layer's pages as they were",
+        "services/pipeserve/hicache/stage_tiers.py",
+        "            pool.index_copy_(2, blocks, self.host.index_select(2, slots).to(pool.device))",
+        "            pool[:-1].index_copy_(2, blocks, self.host[:-1].index_select(2, slots).to(pool.device))",
+        "tests/hicache/test_tiers_archs.py -k 'l2 and gemma2'",
+    ),
+    (
+        "an L3 load leaves the stage's last layer's pages as they were",
+        "services/pipeserve/hicache/stage_tiers.py",
+        "                pool.index_copy_(2, blocks, pages.to(pool.device))",
+        "                pool[:-1].index_copy_(2, blocks, pages[:-1].to(pool.device))",
+        "tests/hicache/test_tiers_archs.py -k 'l3 and mixtral'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
