@@ -1302,8 +1302,8 @@ MUTANTS = [
     (
         "Q8_0 embedding rows gathered without their block scales",
         "services/pipeserve/model/gguf_blocks.py",
-        "        rows = q.reshape(*q.shape[:-1], self.scales.shape[1], -1) * self.scales[ids][..., None]",
-        "        rows = q.reshape(*q.shape[:-1], self.scales.shape[1], -1)",
+        "        rows = q.reshape(*q.shape[:-1], d.shape[-1], -1) * d[..., None]",
+        "        rows = q.reshape(*q.shape[:-1], d.shape[-1], -1)",
         "tests/model/test_gguf_blocks.py -k computes",
     ),
     (
@@ -1787,9 +1787,38 @@ MUTANTS = [
     (
         "native 8-bit blocks: the second half's scale per 16 (Q6_K) misread",
         "kernels/pipeserve_kernels/native/dense.c",
-        "_mm256_set1_ps(dr[2 * c + 1] * dx)",
-        "_mm256_set1_ps(dr[2 * c] * dx)",
+        "_mm256_set1_ps(d1 * dx)",
+        "_mm256_set1_ps(d0 * dx)",
         "tests/model/test_gguf_types.py -k 'computes and Q6_K'",
+    ),
+    (
+        "native Q6_K: the packed int8 sub-scale read as unsigned",
+        "kernels/pipeserve_kernels/native/dense.c",
+        "    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];",
+        "    return dd * (float)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];",
+        "tests/kernels/test_native.py -k q6_k",
+    ),
+    (
+        "native Q6_K: a super-block's sub-scales read from the next one's place",
+        "kernels/pipeserve_kernels/native/dense.c",
+        "    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];",
+        "    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + (j + 1) % 16];",
+        "tests/model/test_gguf_types.py -k 'computes and Q6_K'",
+    ),
+    (
+        "Q6_K's packed scales: the sub-scale unpacked as unsigned (the served weight's reference)",
+        "services/pipeserve/model/gguf_types.py",
+        "    sc = b[..., 4:].contiguous().view(torch.int8).float()",
+        "    sc = b[..., 4:].contiguous().float()",
+        "tests/model/test_gguf_types.py -k 'weight_is and Q6_K'",
+    ),
+    (
+        "Q6_K's scales per 16 kept in float32 beside the packed ones (10.6 bits a weight)",
+        "services/pipeserve/model/quant.py",
+        '        self.register_buffer("scales", d if packed else d.float())',
+        '        self.register_buffer("scales", d if packed else d.float())\n'
+        '        self.register_buffer("per16", q8_block_scales(d) if packed else None)',
+        "tests/model/test_gguf_kquant.py -k within",
     ),
     (
         "native 8-bit blocks: the mins (Q5_1, Q5_K) dropped at decode rows",

@@ -172,6 +172,24 @@ def test_int8_linear_is_its_q8_0_blocks(rows: int, kernels: native.Native) -> No
     _assert_close_to(y, ref, x, w, kernels)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_int8_linear_is_its_q6_k_blocks(rows: int, kernels: native.Native) -> None:
+    """q8_matmul over Q6_K's form with its scales as the file has them (per 256: a float32 d, 16 int8
+    sub-scales, negative ones included): w = d * sc[j] * q per 16, on every level's path."""
+    from pipeserve.model.gguf_types import pack_q6k_scales
+
+    n, k = 37, 512
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()  # an fp16 value, as the file's
+    sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    per16 = (d[..., None] * sc.float().reshape(n, -1, 16)).reshape(n, -1)
+    w = (q.float().reshape(n, -1, 16) * per16[..., None]).reshape(n, k)
+    x = torch.randn(rows, k, generator=g)
+    y = kernels.int8_linear(x, q, pack_q6k_scales(d, sc), None)
+    _assert_close_to(y, x.double() @ w.double().t(), x, w, kernels)
+
+
 @pytest.mark.parametrize("k", [192, 208])  # 208: a tail past the 64-wide unroll
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 33])
 def test_f32_linear_is_f_linear(rows: int, k: int, kernels: native.Native) -> None:

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 import pipeserve_kernels
 from conftest import hf_greedy, random_prompts
 from pipeserve.model.demo import DemoSpec, write_demo_model
+from pipeserve.model.gguf_types import pack_q6k_scales
 from pipeserve.model.quant import (
     INT4PACK_LAYOUT,
     NIBBLE_LAYOUT,
@@ -127,11 +128,16 @@ def test_gguf_8_bit_blocks_on_the_triton_path(monkeypatch: pytest.MonkeyPatch) -
     """Q8Linear (a Q6_K or Q5_K tensor's form) computes with the Triton kernel where it runs."""
     monkeypatch.setattr(pipeserve_kernels, "BACKEND", "triton")
     for sub, mins in ((16, False), (32, True)):
-        q, s, mn, w = q8_blocks_case(24, 64, sub, mins, seed=9)
+        q, s, mn, w = q8_blocks_case(24, 256, sub, mins, seed=9)
+        if sub == 16:  # Q6_K's form keeps the file's scales: d per 256, int8 sub-scales, packed
+            d, sc = s.abs().amax(dim=1, keepdim=True).half().float() / 127, torch.randint(-127, 128, (24, 16))
+            s = (d * sc.float()).reshape(24, 16)
+            w = (q.float().reshape(24, -1, 16) * s[..., None]).reshape(24, 256)
+            s = pack_q6k_scales(d, sc.to(torch.int8))
         bias = randn(24, seed=10)
         lin = Q8Linear(q, s, bias, torch.float32, mins=mn, fallback=True)
         assert torch.equal(lin.dequantized(), w)
-        x = randn(2, 3, 64, seed=11)
+        x = randn(2, 3, 256, seed=11)
         close(lin(x), F.linear(x, w, bias))
 
 

@@ -30,7 +30,14 @@ from pipeserve.cli import main
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.model.gguf import convert_gguf
-from pipeserve.model.gguf_types import INT4_TYPES, Q8_TYPES, SERVED_TYPES, form, read_blocks
+from pipeserve.model.gguf_types import (
+    INT4_TYPES,
+    Q8_TYPES,
+    SERVED_TYPES,
+    form,
+    pack_q6k_scales,
+    read_blocks,
+)
 from pipeserve.model.quant import Int4Linear, Q8Linear, native_kernels
 
 N, K = 24, 512
@@ -61,7 +68,8 @@ def _served(qtype: str, blocks: dict[str, torch.Tensor]) -> torch.nn.Module:
         q = torch.cat([blocks["qs"] & 15, blocks["qs"] >> 4], dim=-1).reshape(N, K)
         d, m = blocks["d"].float(), blocks["m"].float()
         return Int4Linear(None, None, 32, quantized=(q, d, m), out_dtype=torch.float32)
-    return Q8Linear(blocks["q8"], blocks["d"], None, torch.float32, mins=blocks.get("m"), fallback=True)
+    d = pack_q6k_scales(blocks["d"], blocks["sc"]) if "sc" in blocks else blocks["d"]
+    return Q8Linear(blocks["q8"], d, None, torch.float32, mins=blocks.get("m"), fallback=True)
 
 
 @pytest.mark.parametrize("qtype", [*INT4_TYPES, *Q8_TYPES])

@@ -268,13 +268,19 @@ class Native:
         mins: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x float32 [M, K] @ W^T (+ bias) -> float32 [M, N]; W = q * d (+ m) over blocks: qweight
-        int8 [N, K], scales float32 [N, K/sub] with sub 32 (Q8_0) or 16 (Q6_K's form), mins None or
+        int8 [N, K], scales float32 [N, K/32], or Q6_K's packed ones per 16 (uint8 [N, K/256 * 20]:
+        per super-block a float32 d and 16 int8 sub-scales, gguf_types.pack_q6k_scales), mins None or
         float32 [N, K/32]; contiguous."""
         m, k = x.shape
         n = qweight.shape[0]
-        sub = k // scales.shape[1]
-        if sub not in (16, 32) or scales.shape != (n, k // sub):
-            raise ValueError(f"int8_linear: scales {tuple(scales.shape)} are not per 16 or 32 of [{n}, {k}]")
+        sub = 16 if scales.dtype == torch.uint8 else 32
+        want = (n, k // 256 * 20) if sub == 16 else (n, k // 32)
+        dtype_ok = scales.dtype in (torch.uint8, torch.float32)
+        if k % (256 if sub == 16 else 32) or tuple(scales.shape) != want or not dtype_ok:
+            raise ValueError(
+                f"int8_linear: scales {tuple(scales.shape)} {scales.dtype} are neither float32 per 32 "
+                f"nor Q6_K's packed ones of [{n}, {k}]"
+            )
         if mins is not None and mins.shape != (n, k // 32):
             raise ValueError(f"int8_linear: mins {tuple(mins.shape)} are not per 32 of [{n}, {k}]")
         x = x.contiguous()

@@ -5,7 +5,8 @@
 
 typedef struct {
     const uint8_t *q;      /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K]; W_Q8: int8 [N, K] */
-    const uint16_t *s, *z; /* W_Q4's scales and zeros; W_Q8: float32 scales [N, K/g] in s, float32 mins
+    const uint16_t *s, *z; /* W_Q4's scales and zeros; W_Q8: scales in s (float32 [N, K/32], or g 16:
+                            * Q6_K's packed ones, dense.c), float32 mins
                             * [N, K/32] or NULL in z (dense.c's q8_matmul); else NULL */
     const float *bias;     /* or NULL */
     int n, k, g; /* g: W_Q4's group; W_Q8's scale block, 16 or 32 (0 read as 32) */

@@ -3,21 +3,38 @@
 
 /* ---- 8-bit weights in blocks: w[n, k] = q[n, k] * d[n, k / sub] (+ mn[n, k / 32]), q int8, d and mn
  * float32, sub 16 or 32. Exact for those GGUF types: each block's scale (and min) is a float32 product of
- * an fp16 super-block scale and a small integer, and q fits int8. ---- */
+ * an fp16 super-block scale and a small integer, and q fits int8.
+ * sub 16 is Q6_K's form, whose scales stay as the file has them (8.6 bits a weight, not 10): per row,
+ * per super-block of 256, 20 bytes: float32 D, then 16 int8 sub-scales sc; the scale of block j (16
+ * elements) is D * sc[j], formed here (exact: D is an fp16 value, sc 8 bits). ---- */
+#define Q6K_BYTES 20
+
+/* The scale of 16-element block j of a row's packed Q6_K scales `sr`. */
+static inline float q6k_scale(const uint8_t *sr, int j) {
+    float dd;
+    memcpy(&dd, sr + (j / 16) * Q6K_BYTES, sizeof dd);
+    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];
+}
+
+/* Row r's scale of block j (of `sub` elements). */
+static inline float q8_scale(const float *d, int sub, int k, int r, int j) {
+    if (sub == 16) return q6k_scale((const uint8_t *)d + (size_t)r * (k / 256) * Q6K_BYTES, j);
+    return d[(size_t)r * (k / 32) + j];
+}
 
 #if !PREFILL_INT8 /* else prefill.c serves more than INT_ROWS rows */
 static void q8_dequant_rows(const int8_t *q, const float *d, const float *mn, int sub, int k, int n0, int rows,
                             float *tile) {
     for (int r = 0; r < rows; r++) {
         const int8_t *qr = q + (size_t)(n0 + r) * k;
-        const float *dr = d + (size_t)(n0 + r) * (k / sub);
         const float *mr = mn ? mn + (size_t)(n0 + r) * (k / 32) : NULL;
         float *t = tile + (size_t)r * k;
         for (int c = 0; c < k; c += 16) {
             v16b b;
             memcpy(&b, qr + c, sizeof b);
             typedef int8_t v16s8 __attribute__((vector_size(16)));
-            v16 w = __builtin_convertvector(__builtin_convertvector((v16s8)b, v16i), v16) * dr[c / sub];
+            v16 w = __builtin_convertvector(__builtin_convertvector((v16s8)b, v16i), v16) *
+                    q8_scale(d, sub, k, n0 + r, c / sub);
             store16(t + c, mr ? w + mr[c / 32] : w);
         }
     }
@@ -34,12 +51,14 @@ static inline __attribute__((always_inline)) void q8_rows_int(const QX *x, const
     int chunks = k / 32;
     for (int r = n0; r < n1; r++) {
         const int8_t *qr = q + (size_t)r * k;
-        const float *dr = d + (size_t)r * (k / sub);
         const float *mr = mn ? mn + (size_t)r * chunks : NULL;
         __m256 acc[SMALL_M];
         float off[SMALL_M];
         for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps(), off[i] = 0.f;
         for (int c = 0; c < chunks; c++) {
+            /* the chunk's scales: one per 32, or its two per 16 (Q6_K) */
+            float d0 = q8_scale(d, sub, k, r, sub == 32 ? c : 2 * c);
+            float d1 = sub == 32 ? d0 : q8_scale(d, sub, k, r, 2 * c + 1);
             __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + c * 32)));
             __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qr + c * 32 + 16)));
             for (int i = 0; i < m; i++) {
@@ -48,11 +67,11 @@ static inline __attribute__((always_inline)) void q8_rows_int(const QX *x, const
                 __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16)));
                 float dx = x->dx[(size_t)i * chunks + c];
                 if (sub == 32) {
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(dr[c] * dx),
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * dx),
                                              acc[i]);
                 } else {
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(dr[2 * c] * dx), acc[i]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(dr[2 * c + 1] * dx), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * dx), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * dx), acc[i]);
                 }
                 if (mr) off[i] += mr[c] * x->sum[(size_t)i * chunks + c];
             }

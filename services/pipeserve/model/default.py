@@ -36,8 +36,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # again. Kept here, not in gguf.py: `up` reads it on every start, and gguf.py imports torch (~1 s).
 # 2: quantized.safetensors (the file's Q4_0/Q4_1/Q8_0 blocks, model/gguf_blocks.py) is written too.
 # 3: generation_config.json carries the file's sampling metadata (the request defaults).
+# 4: Q6_K blocks keep the file's d per 256 and int8 sub-scales (.d, .sc), not a float32 per 16.
 # The cache of GGUF files given as --model (model/gguf_cache.py) is keyed by it too.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 
 
 def pipeserve_home() -> Path:

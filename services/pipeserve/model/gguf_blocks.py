@@ -9,8 +9,9 @@ so the weights computed with are the file's own blocks, not a requantization:
 * form int4 (Q4_0, Q4_1, Q4_K): an `Int4Linear` with group 32 and the file's q, scale and min
   (only those two round to bfloat16, the kernel's type); an embedding in this form gathers its rows
   from the same nibbles (`Int4Embedding`, shared with a tied head).
-* form q8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): a `Q8Linear` (int8 values, float32 scales per 32 or 16,
-  float32 mins), exact, on the native CPU kernels; elsewhere Q8_0 is requantized per output channel
+* form q8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): a `Q8Linear` (int8 values, float32 scales per 32, or
+  Q6_K's d per 256 and int8 sub-scales per 16 packed together; float32 mins), exact, on the native
+  CPU kernels; elsewhere Q8_0 is requantized per output channel
   for `Int8Linear` (torch's int8 kernel) and the others dequantize per call (quant.Q8Linear). An
   embedding gathers its rows exactly (`Q8Embedding`).
 * A fused projection whose parts differ in form (a Q4_K_M file's v in Q6_K beside q and k in Q4_K)
@@ -20,8 +21,9 @@ so the weights computed with are the file's own blocks, not a requantization:
 Layout of `quantized.safetensors`, per HF tensor NAME (N rows, K inputs, K % 32 == 0):
   NAME.qs  uint8 [N, K/32, 16]  int4: element j of a block is qs[j] & 15, element 16 + j is qs[j] >> 4
   NAME.q8  int8  [N, K]         q8
-  NAME.d   float16 or float32 [N, K/32] (Q6_K: [N, K/16])  the block scale
+  NAME.d   float16 or float32 [N, K/32] (Q6_K: float32 [N, K/256])  the block (super-block) scale
   NAME.m   float16 or float32 [N, K/32]  the block minimum (int4; q8 where the type has one)
+  NAME.sc  int8  [N, K/16]       Q6_K's sub-block scales
 The header's metadata says `format: gguf-blocks`, the block size, and (JSON) each tensor's GGUF
 `types` and served `forms` (int4, q8 or dense), for every tensor of the file.
 """
@@ -39,6 +41,7 @@ from torch import nn
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.gguf_types import pack_q6k_scales, q8_block_scales
 from pipeserve.model.memory import return_freed_memory
 from pipeserve.model.stage_model import StageModel, StageSpec
 
@@ -110,7 +113,11 @@ class GgufBlocks:
         return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
     def q8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """int8 [N, K], float32 scales [N, K/32] (Q6_K: [N, K/16]) and mins [N, K/32] or None."""
+        """int8 [N, K], scales (float32 [N, K/32]; Q6_K: packed uint8 [N, K/256 * 20], d and its
+        sub-scales, gguf_types.pack_q6k_scales) and mins float32 [N, K/32] or None."""
+        if f"{name}.sc" in self.keys:  # Q6_K
+            q, d, sc = self._get([f"{name}.q8", f"{name}.d", f"{name}.sc"])
+            return q, pack_q6k_scales(d.float(), sc), None
         keys = [f"{name}.q8", f"{name}.d"] + ([f"{name}.m"] if f"{name}.m" in self.keys else [])
         q, d, *m = self._get(keys)
         return q, d.float(), m[0].float() if m else None
@@ -124,7 +131,8 @@ class GgufBlocks:
                 g = q.float().reshape(q.shape[0], -1, BLOCK)
                 out.append((g * d[..., None] + m4[..., None]).reshape(q.shape))
             else:
-                q8, d, m8 = self.q8(name)
+                q8, packed, m8 = self.q8(name)
+                d = q8_block_scales(packed)
                 w = q8.float().reshape(q8.shape[0], d.shape[1], -1) * d[..., None]
                 if m8 is not None:
                     w = w.reshape(q8.shape[0], -1, BLOCK) + m8[..., None]
@@ -134,7 +142,7 @@ class GgufBlocks:
 
 class Q8Embedding(nn.Module):
     """An embedding over 8-bit blocks: the rows asked for are dequantized exactly (d * q (+ m)) on
-    gather; scales per 32 (per 16: Q6_K), mins per 32 or None."""
+    gather; scales per 32 (Q6_K: per 16, packed), mins per 32 or None."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -145,13 +153,14 @@ class Q8Embedding(nn.Module):
     ) -> None:
         super().__init__()
         self.register_buffer("qweight", q)  # int8 [V, K]
-        self.register_buffer("scales", d)  # float32 [V, K/32] or [V, K/16]
+        self.register_buffer("scales", d)  # float32 [V, K/32], or Q6_K's packed uint8 [V, K/256 * 20]
         self.register_buffer("mins", mins)  # float32 [V, K/32] or None
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.qweight[ids].float()
-        rows = q.reshape(*q.shape[:-1], self.scales.shape[1], -1) * self.scales[ids][..., None]
+        d = q8_block_scales(self.scales[ids])  # Q6_K's packed scales lie within their row
+        rows = q.reshape(*q.shape[:-1], d.shape[-1], -1) * d[..., None]
         if self.mins is not None:
             rows = rows.reshape(*q.shape[:-1], -1, BLOCK) + self.mins[ids][..., None]
         return rows.reshape(q.shape).to(self.dtype)
@@ -228,7 +237,7 @@ def _quantized_linear(
         return Int4Linear(None, None, BLOCK, quantized=blocks.int4(names), out_dtype=dtype)
     if kinds == {"q8"}:
         parts = [blocks.q8(n) for n in names]
-        shapes = {(d.shape[1], m is None) for _, d, m in parts}
+        shapes = {(d.shape[1], d.dtype, m is None) for _, d, m in parts}
         q8_0 = all(blocks.type(n) == "Q8_0" for n in names) or not any(
             blocks.type(n) == "Q8_0" for n in names
         )

@@ -12,11 +12,14 @@ one `gguf.quants.dequantize` gives (tests/model/test_gguf_types.py, bit for bit)
           exact float32 products of an fp16 and a 6-bit integer).
     keys: qs uint8 [N, K/32, 16] (element j of a block in the low nibble of byte j, 16 + j high),
           d, m [N, K/32].
-* form "q8" (Q8Linear / Q8Embedding: int8 values, float32 scale per 16 or 32, optional min per 32):
+* form "q8" (Q8Linear / Q8Embedding: int8 values, a scale per 32 or per 16, optional min per 32):
     Q8_0: w = d q (d float16, kept as the file has it).
     Q5_0: w = d (q - 16); Q5_1: w = d q + m; q the 5-bit value (the high bit from qh).
-    Q5_K: w = (d sc) q - (dmin mn) per 32, q 5-bit; Q6_K: w = (d sc) (q - 32) per 16, q 6-bit.
-    keys: q8 int8 [N, K], d [N, K/32] or [N, K/16] (Q6_K), m float32 [N, K/32] where there is a min.
+    Q5_K: w = (d sc) q - (dmin mn) per 32, q 5-bit; Q6_K: w = (d sc) (q - 32) per 16, q 6-bit,
+          d per 256 and sc int8 as the file has them (8.6 bits a weight served, not 10: the kernel
+          forms d sc, an exact float32 product, per 16; pack_q6k_scales).
+    keys: q8 int8 [N, K], d [N, K/32] (Q6_K: float32 [N, K/256]), m float32 [N, K/32] where there
+          is a min, sc int8 [N, K/16] (Q6_K).
 * form "dense" (F32, F16, BF16): no blocks; the float checkpoint holds them exactly and the stage
   serves them in the model's dtype.
 Any other type (Q2_K, Q3_K, the IQ types, ...) is refused by `check_types` with the list above.
@@ -34,6 +37,31 @@ Q8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
 SERVED_TYPES = (*DENSE_TYPES, *INT4_TYPES, *Q8_TYPES)
 QK_K = 256
+Q6K_SCALE_BYTES = 20  # per super-block in the packed scales: float32 d, then the 16 int8 sub-scales
+
+
+def pack_q6k_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """Q6_K's d float32 [N, K/256] and sub-scales int8 [N, K/16] -> the packed scales uint8
+    [N, K/256 * 20] (per super-block: d's 4 bytes, then its 16 sub-scales), as the file keeps them:
+    0.625 bits a weight where a float32 per 16 was 2; dense.c's q8_matmul reads them (sub 16)."""
+    n = d.shape[0]
+    if tuple(sc.shape) != (n, d.shape[1] * 16):
+        raise ValueError(f"Q6_K scales: d {tuple(d.shape)} and sub-scales {tuple(sc.shape)} differ")
+    dd = d.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1, 4)
+    ss = sc.to(torch.int8).contiguous().view(torch.uint8).reshape(n, -1, 16)
+    return torch.cat([dd, ss], dim=2).reshape(n, -1).contiguous()
+
+
+def q8_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """A Q8Linear's scales [..., K/32] float32, or packed Q6_K ones (uint8, pack_q6k_scales) ->
+    the float32 scale of each block of 16 or 32 [..., K/sub]: d * sc, an exact float32 product
+    (d an fp16 value, sc an int8), the value the kernel multiplies."""
+    if scales.dtype != torch.uint8:
+        return scales
+    b = scales.reshape(*scales.shape[:-1], -1, Q6K_SCALE_BYTES)
+    d = b[..., :4].contiguous().view(torch.float32)  # [..., K/256, 1]
+    sc = b[..., 4:].contiguous().view(torch.int8).float()  # [..., K/256, 16]
+    return (d * sc).reshape(*scales.shape[:-1], -1)
 
 
 def type_name(tensor) -> str:
@@ -139,9 +167,9 @@ def _q6_k(raw: np.ndarray) -> dict[str, np.ndarray]:
     low = np.concatenate([ql & 15, ql >> 4], axis=3)
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
     q = (low | (high << 4)).astype(np.int16) - 32
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [N, S, 16]
-    d = _f32(b[..., 208:210])
-    return {"q8": _rows(q).astype(np.int8), "d": _rows(d[..., None] * sc)}
+    sc = b[..., 192:208].view(np.int8)  # [N, S, 16]
+    # d per 256 and the file's int8 sub-scales (pack_q6k_scales), not their product per 16 in float32
+    return {"q8": _rows(q).astype(np.int8), "d": _f32(b[..., 208:210]), "sc": _rows(sc)}
 
 
 def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:

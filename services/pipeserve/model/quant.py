@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from pipeserve.model.gguf_types import Q6K_SCALE_BYTES, QK_K, q8_block_scales
+
 if TYPE_CHECKING:
     from pipeserve_kernels.native import Native
 
@@ -285,8 +287,9 @@ def quantize_q8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.
 
 class Q8Linear(nn.Module):
     """w = q * d (+ m) over blocks along the input dim, served by dense.c's q8_matmul: GGUF's Q8_0
-    (d per 32), and the int8 form of Q5_0, Q5_1, Q5_K (d and a min m per 32) and Q6_K (d per 16)
-    that gguf_blocks.py serves those types in, exactly.
+    (d per 32), and the int8 form of Q5_0, Q5_1, Q5_K (d and a min m per 32) and Q6_K (d * sc per
+    16: scales packed as the file has them, pack_q6k_scales) that gguf_blocks.py serves those types
+    in, exactly.
 
     Q8_0 is built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF
     file's Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float
@@ -312,10 +315,12 @@ class Q8Linear(nn.Module):
     ) -> None:
         super().__init__()
         n, k = q.shape
-        sub = k // d.shape[1] if d.dim() == 2 and d.shape[1] else 0
-        if k % Q8_BLOCK or sub not in (16, 32) or tuple(d.shape) != (n, k // sub):
+        packed = d.dtype == torch.uint8  # Q6_K's scales (pack_q6k_scales)
+        want = (n, k // QK_K * Q6K_SCALE_BYTES) if packed else (n, k // Q8_BLOCK)
+        if k % (QK_K if packed else Q8_BLOCK) or tuple(d.shape) != want:
             raise ValueError(
-                f"Q8Linear: q {tuple(q.shape)} and d {tuple(d.shape)} are not blocks of 16 or 32"
+                f"Q8Linear: q {tuple(q.shape)} and d {tuple(d.shape)} are neither float scales per 32 "
+                "nor Q6_K's packed ones per 256"
             )
         if mins is not None and tuple(mins.shape) != (n, k // Q8_BLOCK):
             raise ValueError(f"Q8Linear: mins {tuple(mins.shape)} are not one per block of 32")
@@ -324,15 +329,15 @@ class Q8Linear(nn.Module):
             raise ValueError("Q8Linear needs the native CPU kernels")
         self._kernels = kernels
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", d.float())
+        self.register_buffer("scales", d if packed else d.float())
         self.register_buffer("mins", None if mins is None else mins.float())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_dtype = out_dtype
 
     @property
     def sub(self) -> int:
-        """Elements per scale: 32, or 16 (Q6_K's form)."""
-        return self.qweight.shape[1] // self.scales.shape[1]
+        """Elements per scale: 32, or 16 (Q6_K's packed scales)."""
+        return 16 if self.scales.dtype == torch.uint8 else Q8_BLOCK
 
     @property
     def in_features(self) -> int:
@@ -345,7 +350,7 @@ class Q8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the kernel computes with: q * d (+ m), as gguf dequantizes the file."""
         n, k = self.qweight.shape
-        w = self.qweight.float().reshape(n, -1, self.sub) * self.scales[..., None]
+        w = self.qweight.float().reshape(n, -1, self.sub) * q8_block_scales(self.scales)[..., None]
         if self.mins is not None:
             w = w.reshape(n, -1, Q8_BLOCK) + self.mins[..., None]
         return w.reshape(n, k)
@@ -356,7 +361,8 @@ class Q8Linear(nn.Module):
         if triton_path(x.device):
             from pipeserve_kernels.triton_quant import q8_blocks_linear
 
-            y = q8_blocks_linear(x2.contiguous(), self.qweight, self.scales, self.mins)
+            # Q6_K's scales per 16 expanded per call (2 bits a weight, transient): the Triton kernel's
+            y = q8_blocks_linear(x2.contiguous(), self.qweight, q8_block_scales(self.scales), self.mins)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
             return y.to(self.out_dtype).reshape(*shape[:-1], -1)
         if self._kernels is not None and x.device.type == "cpu":
