@@ -2081,6 +2081,20 @@ MUTANTS = [
         "                pool[:-1].index_copy_(2, blocks, pages[:-1].to(pool.device))",
         "tests/hicache/test_tiers_archs.py -k 'l3 and mixtral'",
     ),
+    (
+        "demo-model: q/k/v rows split evenly (GQA's k/v are narrower)",
+        "services/pipeserve/model/demo_arch.py",
+        'if set(keys) <= {"q", "k", "v"} else',
+        "if False else",
+        "tests/model/test_demo_archs.py -k mistral",
+    ),
+    (
+        "demo-model offers its own list, not the registry's",
+        "services/pipeserve/model/demo_spec.py",
+        "SUPPORTED_ARCHES = SUPPORTED_MODEL_TYPES",
+        'SUPPORTED_ARCHES = ("llama", "qwen2")',
+        "tests/model/test_demo_archs.py",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

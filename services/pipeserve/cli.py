@@ -1,6 +1,6 @@
 """`pipeserve` command line.
 
-  pipeserve demo-model DIR [--arch llama|qwen2] [--layers N] [--hidden N] ...
+  pipeserve demo-model DIR [--arch MODEL_TYPE (any registered)] [--layers N] [--hidden N] ...
   pipeserve generate [--model DIR] --prompt TEXT [--prompt TEXT ...] [sampling flags: sampling_fields.py]
   pipeserve stage --model DIR --rank K --world-size S (--master-addr H --master-port P
                   | --rendezvous-file F) [--layer-split 0:3,3:6] [engine flags]

@@ -27,8 +27,15 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # The spec lives in a module without torch (the CLI parser reads it); re-exported here.
+from pipeserve.model.arch import get_arch
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.demo_arch import arch_fields, arch_weights
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES as SUPPORTED_ARCHES
 from pipeserve.model.demo_spec import DemoSpec as DemoSpec
+
+# Weights these two get from _weights (the checkpoints they always had); every other registered
+# architecture's come from demo_arch.py.
+HAND_WRITTEN = ("llama", "qwen2")
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|begin_of_text|>"
@@ -103,7 +110,7 @@ def _weights(spec: DemoSpec, vocab: int) -> dict[str, torch.Tensor]:
 
 def _config(spec: DemoSpec, vocab: int, eos_ids: list[int], bos_id: int | None) -> dict:
     cfg: dict = {
-        "architectures": ["LlamaForCausalLM" if spec.arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [get_arch(spec.arch).hf_class],
         "model_type": spec.arch,
         "vocab_size": vocab,
         "hidden_size": spec.hidden,
@@ -124,8 +131,10 @@ def _config(spec: DemoSpec, vocab: int, eos_ids: list[int], bos_id: int | None) 
     }
     if spec.arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
-    else:
+    elif spec.arch == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.layers)
+    else:  # demo_arch.py's architectures; a pad id inside this vocabulary (phi3's default is 32000)
+        cfg.update(pad_token_id=eos_ids[0], **arch_fields(spec))
     return cfg
 
 
@@ -174,5 +183,9 @@ def write_demo_model(out_dir: str | Path, spec: DemoSpec = _DEFAULT_SPEC) -> Pat
     (out / "config.json").write_text(json.dumps(_config(spec, vocab, eos_ids, bos_id), indent=2) + "\n")
     gen_cfg = {"eos_token_id": eos_ids, "pad_token_id": eos_ids[0], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    save_file(_weights(spec, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if spec.arch in HAND_WRITTEN:
+        weights = _weights(spec, vocab)
+    else:
+        weights = arch_weights(ModelConfig.from_dir(out), spec.seed)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

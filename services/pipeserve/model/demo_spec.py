@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHES = ("llama", "qwen2")
+from pipeserve.model.arch import SUPPORTED_MODEL_TYPES
+
+# Every registered architecture (model/arch/__init__.py's registry, which imports no torch).
+SUPPORTED_ARCHES = SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)
