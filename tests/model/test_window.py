@@ -12,6 +12,9 @@ the window's keys of it); S=1 and S=2.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,23 @@ def test_greedy_matches_hf_past_the_window(windowed: tuple[str, Path], stages: i
         assert llm.engine.block_manager.stats.hit_tokens - hits >= 40, "the shared prefix was not reused"
     assert first == want
     assert again == want[2:]
+
+
+@pytest.mark.parametrize(
+    ("arch", "layers"),
+    [("mistral", {"sliding_window": WINDOW}), ("qwen2", {**QWEN, "max_window_layers": 1})],
+    ids=["mistral", "qwen2"],
+)
+def test_the_triton_path_applies_the_window(tmp_path: Path, arch: str, layers: dict) -> None:
+    """Every op through the Triton kernels (interpreter mode, tests/kernels/engine_run.py's process):
+    2 layers (qwen2: a full then a sliding one), chunked prefill over a cached prefix, block size 4."""
+    path = write_hf_checkpoint(tmp_path / arch, arch, num_hidden_layers=2, **layers)
+    prompts = [[5], *random_prompts(2, 20, 30, 1024, seed=74)]
+    run = Path(__file__).resolve().parents[1] / "kernels" / "engine_run.py"
+    env = {**os.environ, "PIPESERVE_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+    args = [sys.executable, str(run), str(path), "1", json.dumps(prompts), "6"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["backend"] == "triton"
+    assert out["ids"] == [hf_greedy(path, p, 6, ignore_eos=True) for p in prompts]
