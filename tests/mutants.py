@@ -1773,8 +1773,8 @@ MUTANTS = [
     (
         "GGUF Q6_K: the -32 offset dropped",
         "services/pipeserve/model/gguf_types.py",
-        "    q = (low | (high << 4)).astype(np.int16) - 32",
-        "    q = (low | (high << 4)).astype(np.int16)",
+        "    q = (low | (high << 4)).to(torch.int8) - 32",
+        "    q = (low | (high << 4)).to(torch.int8)",
         "tests/model/test_gguf_types.py -k 'weight_is and Q6_K'",
     ),
     (
@@ -1794,15 +1794,15 @@ MUTANTS = [
     (
         "native Q6_K: the packed int8 sub-scale read as unsigned",
         "kernels/pipeserve_kernels/native/dense.c",
-        "    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];",
-        "    return dd * (float)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];",
+        "    return dd * (float)(int8_t)sr[(i / 16) * Q6K_SBYTES + 4 + i % 16];",
+        "    return dd * (float)sr[(i / 16) * Q6K_SBYTES + 4 + i % 16];",
         "tests/kernels/test_native.py -k q6_k",
     ),
     (
         "native Q6_K: a super-block's sub-scales read from the next one's place",
         "kernels/pipeserve_kernels/native/dense.c",
-        "    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + j % 16];",
-        "    return dd * (float)(int8_t)sr[(j / 16) * Q6K_BYTES + 4 + (j + 1) % 16];",
+        "    return dd * (float)(int8_t)sr[(i / 16) * Q6K_SBYTES + 4 + i % 16];",
+        "    return dd * (float)(int8_t)sr[(i / 16) * Q6K_SBYTES + 4 + (i + 1) % 16];",
         "tests/model/test_gguf_types.py -k 'computes and Q6_K'",
     ),
     (
@@ -1813,12 +1813,40 @@ MUTANTS = [
         "tests/model/test_gguf_types.py -k 'weight_is and Q6_K'",
     ),
     (
-        "Q6_K's scales per 16 kept in float32 beside the packed ones (10.6 bits a weight)",
+        "Q6_K's scales per 16 kept in float32 beside the packed ones (8.6 bits a weight)",
         "services/pipeserve/model/quant.py",
-        '        self.register_buffer("scales", d if packed else d.float())',
-        '        self.register_buffer("scales", d if packed else d.float())\n'
-        '        self.register_buffer("per16", q8_block_scales(d) if packed else None)',
+        '        self.register_buffer("scales", d if q6k else d.float())',
+        '        self.register_buffer("scales", d if q6k else d.float())\n'
+        '        self.register_buffer("per16", q8_block_scales(d) if q6k else None)',
         "tests/model/test_gguf_kquant.py -k within",
+    ),
+    (
+        "native Q6_K (AVX2): a chunk's high bits taken from the wrong 2-bit field of qh",
+        "kernels/pipeserve_kernels/native/dense.c",
+        "_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * j))",
+        "_mm256_srl_epi16(hi, _mm_cvtsi32_si128(j))",
+        "tests/model/test_gguf_types.py -k 'computes and Q6_K'",
+    ),
+    (
+        "native Q6_K (AVX2): the third quarter's low bits from the low nibbles",
+        "kernels/pipeserve_kernels/native/dense.c",
+        "_mm256_srl_epi16(lo, _mm_cvtsi32_si128(j >= 2 ? 4 : 0))",
+        "_mm256_srl_epi16(lo, _mm_cvtsi32_si128(j >= 3 ? 4 : 0))",
+        "tests/kernels/test_native.py -k q6_k",
+    ),
+    (
+        "native Q6_K (no AVX2): an element's low bits from the other ql byte",
+        "kernels/pipeserve_kernels/native/dense.c",
+        "    int lo = b[64 * h + 32 * (j & 1) + l] >> (j >= 2 ? 4 : 0);",
+        "    int lo = b[64 * h + 32 * (j >= 2) + l] >> (j >= 2 ? 4 : 0);",
+        "tests/kernels/test_native.py -k q6_k",
+    ),
+    (
+        "Q6_K's packing read with the qh fields of quarters 2 and 3 swapped",
+        "services/pipeserve/model/gguf_types.py",
+        "    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=q6.device)[:, None]",
+        "    shift = torch.tensor([0, 2, 6, 4], dtype=torch.uint8, device=q6.device)[:, None]",
+        "tests/model/test_gguf_types.py -k 'weight_is and Q6_K'",
     ),
     (
         "native 8-bit blocks: the mins (Q5_1, Q5_K) dropped at decode rows",

@@ -174,19 +174,20 @@ def test_int8_linear_is_its_q8_0_blocks(rows: int, kernels: native.Native) -> No
 
 @pytest.mark.parametrize("rows", [1, 5, 13])
 def test_int8_linear_is_its_q6_k_blocks(rows: int, kernels: native.Native) -> None:
-    """q8_matmul over Q6_K's form with its scales as the file has them (per 256: a float32 d, 16 int8
-    sub-scales, negative ones included): w = d * sc[j] * q per 16, on every level's path."""
-    from pipeserve.model.gguf_types import pack_q6k_scales
+    """q8_matmul over Q6_K as the file has it (its 6-bit packing, random bytes; per 256 a float32 d
+    and 16 int8 sub-scales, negative ones included): w = d * sc[j] * q per 16, q what
+    gguf_types.q6k_values reads (itself checked against gguf-py), on every level's path."""
+    from pipeserve.model.gguf_types import pack_q6k_scales, q6k_values
 
     n, k = 37, 512
     g = torch.Generator().manual_seed(rows)
-    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    q6 = torch.randint(0, 256, (n, k // 256 * 192), generator=g, dtype=torch.uint8)
     d = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()  # an fp16 value, as the file's
     sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
     per16 = (d[..., None] * sc.float().reshape(n, -1, 16)).reshape(n, -1)
-    w = (q.float().reshape(n, -1, 16) * per16[..., None]).reshape(n, k)
+    w = (q6k_values(q6).float().reshape(n, -1, 16) * per16[..., None]).reshape(n, k)
     x = torch.randn(rows, k, generator=g)
-    y = kernels.int8_linear(x, q, pack_q6k_scales(d, sc), None)
+    y = kernels.int8_linear(x, q6, pack_q6k_scales(d, sc), None)
     _assert_close_to(y, x.double() @ w.double().t(), x, w, kernels)
 
 

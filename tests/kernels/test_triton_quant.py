@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 import pipeserve_kernels
 from conftest import hf_greedy, random_prompts
 from pipeserve.model.demo import DemoSpec, write_demo_model
-from pipeserve.model.gguf_types import pack_q6k_scales
+from pipeserve.model.gguf_types import pack_q6k_scales, q6k_values
 from pipeserve.model.quant import (
     INT4PACK_LAYOUT,
     NIBBLE_LAYOUT,
@@ -129,10 +129,13 @@ def test_gguf_8_bit_blocks_on_the_triton_path(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(pipeserve_kernels, "BACKEND", "triton")
     for sub, mins in ((16, False), (32, True)):
         q, s, mn, w = q8_blocks_case(24, 256, sub, mins, seed=9)
-        if sub == 16:  # Q6_K's form keeps the file's scales: d per 256, int8 sub-scales, packed
+        if sub == 16:  # Q6_K as the file has it: its 6-bit packing, d per 256, int8 sub-scales
+            q = torch.randint(
+                0, 256, (24, 192), generator=torch.Generator().manual_seed(9), dtype=torch.uint8
+            )
             d, sc = s.abs().amax(dim=1, keepdim=True).half().float() / 127, torch.randint(-127, 128, (24, 16))
             s = (d * sc.float()).reshape(24, 16)
-            w = (q.float().reshape(24, -1, 16) * s[..., None]).reshape(24, 256)
+            w = (q6k_values(q).float().reshape(24, -1, 16) * s[..., None]).reshape(24, 256)
             s = pack_q6k_scales(d, sc.to(torch.int8))
         bias = randn(24, seed=10)
         lin = Q8Linear(q, s, bias, torch.float32, mins=mn, fallback=True)

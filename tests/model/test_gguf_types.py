@@ -68,8 +68,11 @@ def _served(qtype: str, blocks: dict[str, torch.Tensor]) -> torch.nn.Module:
         q = torch.cat([blocks["qs"] & 15, blocks["qs"] >> 4], dim=-1).reshape(N, K)
         d, m = blocks["d"].float(), blocks["m"].float()
         return Int4Linear(None, None, 32, quantized=(q, d, m), out_dtype=torch.float32)
-    d = pack_q6k_scales(blocks["d"], blocks["sc"]) if "sc" in blocks else blocks["d"]
-    return Q8Linear(blocks["q8"], d, None, torch.float32, mins=blocks.get("m"), fallback=True)
+    if "q6" in blocks:  # Q6_K: the file's packing and scales
+        q, d = blocks["q6"], pack_q6k_scales(blocks["d"], blocks["sc"])
+    else:
+        q, d = blocks["q8"], blocks["d"]
+    return Q8Linear(q, d, None, torch.float32, mins=blocks.get("m"), fallback=True)
 
 
 @pytest.mark.parametrize("qtype", [*INT4_TYPES, *Q8_TYPES])

@@ -268,18 +268,21 @@ class Native:
         mins: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x float32 [M, K] @ W^T (+ bias) -> float32 [M, N]; W = q * d (+ m) over blocks: qweight
-        int8 [N, K], scales float32 [N, K/32], or Q6_K's packed ones per 16 (uint8 [N, K/256 * 20]:
-        per super-block a float32 d and 16 int8 sub-scales, gguf_types.pack_q6k_scales), mins None or
-        float32 [N, K/32]; contiguous."""
+        int8 [N, K] with scales float32 [N, K/32]; or Q6_K (sub 16, dense.c): qweight its 6-bit
+        packing uint8 [N, K/256 * 192], scales per super-block a float32 d and 16 int8 sub-scales
+        (uint8 [N, K/256 * 20], gguf_types.pack_q6k_scales); mins None or float32 [N, K/32];
+        contiguous."""
         m, k = x.shape
         n = qweight.shape[0]
-        sub = 16 if scales.dtype == torch.uint8 else 32
-        want = (n, k // 256 * 20) if sub == 16 else (n, k // 32)
-        dtype_ok = scales.dtype in (torch.uint8, torch.float32)
-        if k % (256 if sub == 16 else 32) or tuple(scales.shape) != want or not dtype_ok:
+        sub = 16 if qweight.dtype == torch.uint8 else 32
+        wq = (n, k // 256 * 192, torch.uint8) if sub == 16 else (n, k, torch.int8)
+        ws = (n, k // 256 * 20, torch.uint8) if sub == 16 else (n, k // 32, torch.float32)
+        got_q, got_s = (*qweight.shape, qweight.dtype), (*scales.shape, scales.dtype)
+        if k % (256 if sub == 16 else 32) or got_q != wq or got_s != ws:
             raise ValueError(
-                f"int8_linear: scales {tuple(scales.shape)} {scales.dtype} are neither float32 per 32 "
-                f"nor Q6_K's packed ones of [{n}, {k}]"
+                f"int8_linear: qweight {tuple(qweight.shape)} {qweight.dtype} and scales "
+                f"{tuple(scales.shape)} {scales.dtype} are neither int8 blocks with float32 scales "
+                f"per 32 nor Q6_K's packing with its scales, for K = {k}"
             )
         if mins is not None and mins.shape != (n, k // 32):
             raise ValueError(f"int8_linear: mins {tuple(mins.shape)} are not per 32 of [{n}, {k}]")

@@ -4,9 +4,10 @@
 /* ---- the decode step: every layer of a stage for B rows of one new token each ---- */
 
 typedef struct {
-    const uint8_t *q;      /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K]; W_Q8: int8 [N, K] */
+    const uint8_t *q;      /* W_Q4: nibbles [N, K/2]; W_F32: the float32 weight [N, K]; W_Q8: int8 [N, K]
+                            * (g 16: Q6_K's 6-bit packing, dense.c) */
     const uint16_t *s, *z; /* W_Q4's scales and zeros; W_Q8: scales in s (float32 [N, K/32], or g 16:
-                            * Q6_K's packed ones, dense.c), float32 mins
+                            * Q6_K's, dense.c), float32 mins
                             * [N, K/32] or NULL in z (dense.c's q8_matmul); else NULL */
     const float *bias;     /* or NULL */
     int n, k, g; /* g: W_Q4's group; W_Q8's scale block, 16 or 32 (0 read as 32) */

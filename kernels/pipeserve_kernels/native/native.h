@@ -176,8 +176,8 @@ void q8_matmul_int8(const float *x, int m, int k, const int8_t *q, const float *
 void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, const uint16_t *s,
                            const uint16_t *z, int n, int g, const float *bias, float *y);
 /* 8-bit blocks: w[n, k] = q[n, k] * d[n, k / sub] (+ mn[n, k / 32] where mn is not NULL), sub 16 or 32:
- * Q8_0 (sub 32, no mins) and the int8 form of GGUF's Q5_0, Q5_1, Q5_K (sub 32, mins) and Q6_K (sub 16,
- * no mins; d then points at its packed scales: per 256, a float32 and 16 int8 sub-scales, dense.c). */
+ * Q8_0 (sub 32, no mins) and the int8 form of GGUF's Q5_0, Q5_1, Q5_K (sub 32, mins); sub 16 is Q6_K
+ * (no mins), q its own 6-bit packing and d its scales per 256 (a float32, 16 int8 sub-scales; dense.c). */
 void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub, int n,
                const float *bias, float *y);
 void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y);

@@ -37,8 +37,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # 2: quantized.safetensors (the file's Q4_0/Q4_1/Q8_0 blocks, model/gguf_blocks.py) is written too.
 # 3: generation_config.json carries the file's sampling metadata (the request defaults).
 # 4: Q6_K blocks keep the file's d per 256 and int8 sub-scales (.d, .sc), not a float32 per 16.
+# 5: and its 6-bit packing (.q6), not int8 values (.q8).
 # The cache of GGUF files given as --model (model/gguf_cache.py) is keyed by it too.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 
 
 def pipeserve_home() -> Path:

@@ -10,7 +10,7 @@ so the weights computed with are the file's own blocks, not a requantization:
   (only those two round to bfloat16, the kernel's type); an embedding in this form gathers its rows
   from the same nibbles (`Int4Embedding`, shared with a tied head).
 * form q8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): a `Q8Linear` (int8 values, float32 scales per 32, or
-  Q6_K's d per 256 and int8 sub-scales per 16 packed together; float32 mins), exact, on the native
+  Q6_K's own 6-bit packing with its d per 256 and int8 sub-scales; float32 mins), exact, on the native
   CPU kernels; elsewhere Q8_0 is requantized per output channel
   for `Int8Linear` (torch's int8 kernel) and the others dequantize per call (quant.Q8Linear). An
   embedding gathers its rows exactly (`Q8Embedding`).
@@ -21,6 +21,7 @@ so the weights computed with are the file's own blocks, not a requantization:
 Layout of `quantized.safetensors`, per HF tensor NAME (N rows, K inputs, K % 32 == 0):
   NAME.qs  uint8 [N, K/32, 16]  int4: element j of a block is qs[j] & 15, element 16 + j is qs[j] >> 4
   NAME.q8  int8  [N, K]         q8
+  NAME.q6  uint8 [N, K/256 * 192]  Q6_K's ql and qh per super-block, as the file has them
   NAME.d   float16 or float32 [N, K/32] (Q6_K: float32 [N, K/256])  the block (super-block) scale
   NAME.m   float16 or float32 [N, K/32]  the block minimum (int4; q8 where the type has one)
   NAME.sc  int8  [N, K/16]       Q6_K's sub-block scales
@@ -41,7 +42,7 @@ from torch import nn
 
 from pipeserve.errors import ModelLoadError
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.gguf_types import pack_q6k_scales, q8_block_scales
+from pipeserve.model.gguf_types import pack_q6k_scales, q8_block_scales, q8_values
 from pipeserve.model.memory import return_freed_memory
 from pipeserve.model.stage_model import StageModel, StageSpec
 
@@ -113,10 +114,11 @@ class GgufBlocks:
         return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
     def q8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """int8 [N, K], scales (float32 [N, K/32]; Q6_K: packed uint8 [N, K/256 * 20], d and its
-        sub-scales, gguf_types.pack_q6k_scales) and mins float32 [N, K/32] or None."""
-        if f"{name}.sc" in self.keys:  # Q6_K
-            q, d, sc = self._get([f"{name}.q8", f"{name}.d", f"{name}.sc"])
+        """int8 [N, K] (Q6_K: its 6-bit packing, uint8 [N, K/256 * 192]), scales (float32 [N, K/32];
+        Q6_K: uint8 [N, K/256 * 20], d and its sub-scales, gguf_types.pack_q6k_scales) and mins
+        float32 [N, K/32] or None: Q8Linear's arguments."""
+        if f"{name}.q6" in self.keys:  # Q6_K: its packing and packed scales
+            q, d, sc = self._get([f"{name}.q6", f"{name}.d", f"{name}.sc"])
             return q, pack_q6k_scales(d.float(), sc), None
         keys = [f"{name}.q8", f"{name}.d"] + ([f"{name}.m"] if f"{name}.m" in self.keys else [])
         q, d, *m = self._get(keys)
@@ -131,8 +133,8 @@ class GgufBlocks:
                 g = q.float().reshape(q.shape[0], -1, BLOCK)
                 out.append((g * d[..., None] + m4[..., None]).reshape(q.shape))
             else:
-                q8, packed, m8 = self.q8(name)
-                d = q8_block_scales(packed)
+                q, packed, m8 = self.q8(name)
+                q8, d = q8_values(q), q8_block_scales(packed)
                 w = q8.float().reshape(q8.shape[0], d.shape[1], -1) * d[..., None]
                 if m8 is not None:
                     w = w.reshape(q8.shape[0], -1, BLOCK) + m8[..., None]
@@ -152,14 +154,14 @@ class Q8Embedding(nn.Module):
         self, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype, mins: torch.Tensor | None = None
     ) -> None:
         super().__init__()
-        self.register_buffer("qweight", q)  # int8 [V, K]
+        self.register_buffer("qweight", q)  # int8 [V, K], or Q6_K's packing uint8 [V, K/256 * 192]
         self.register_buffer("scales", d)  # float32 [V, K/32], or Q6_K's packed uint8 [V, K/256 * 20]
         self.register_buffer("mins", mins)  # float32 [V, K/32] or None
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.qweight[ids].float()
-        d = q8_block_scales(self.scales[ids])  # Q6_K's packed scales lie within their row
+        q = q8_values(self.qweight[ids]).float()
+        d = q8_block_scales(self.scales[ids])  # Q6_K's packing and scales lie within their row
         rows = q.reshape(*q.shape[:-1], d.shape[-1], -1) * d[..., None]
         if self.mins is not None:
             rows = rows.reshape(*q.shape[:-1], -1, BLOCK) + self.mins[ids][..., None]

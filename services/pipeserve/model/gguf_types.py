@@ -15,11 +15,13 @@ one `gguf.quants.dequantize` gives (tests/model/test_gguf_types.py, bit for bit)
 * form "q8" (Q8Linear / Q8Embedding: int8 values, a scale per 32 or per 16, optional min per 32):
     Q8_0: w = d q (d float16, kept as the file has it).
     Q5_0: w = d (q - 16); Q5_1: w = d q + m; q the 5-bit value (the high bit from qh).
-    Q5_K: w = (d sc) q - (dmin mn) per 32, q 5-bit; Q6_K: w = (d sc) (q - 32) per 16, q 6-bit,
-          d per 256 and sc int8 as the file has them (8.6 bits a weight served, not 10: the kernel
-          forms d sc, an exact float32 product, per 16; pack_q6k_scales).
-    keys: q8 int8 [N, K], d [N, K/32] (Q6_K: float32 [N, K/256]), m float32 [N, K/32] where there
-          is a min, sc int8 [N, K/16] (Q6_K).
+    Q5_K: w = (d sc) q - (dmin mn) per 32, q 5-bit; Q6_K: w = (d sc) (q - 32) per 16, q 6-bit.
+    Q6_K is served at its own size (6.6 bits a weight, not 10 as int8 values and a float32 per
+    16): the file's 6-bit packing (q6k_values), d per 256 and the int8 sub-scales packed beside it
+    (pack_q6k_scales); the kernel forms d sc per 16, an exact float32 product.
+    keys: q8 int8 [N, K] (Q6_K: q6 uint8 [N, K/256 * 192], the file's ql and qh), d [N, K/32]
+          (Q6_K: float32 [N, K/256]), m float32 [N, K/32] where there is a min, sc int8 [N, K/16]
+          (Q6_K).
 * form "dense" (F32, F16, BF16): no blocks; the float checkpoint holds them exactly and the stage
   serves them in the model's dtype.
 Any other type (Q2_K, Q3_K, the IQ types, ...) is refused by `check_types` with the list above.
@@ -38,6 +40,7 @@ DENSE_TYPES = ("F32", "F16", "BF16")
 SERVED_TYPES = (*DENSE_TYPES, *INT4_TYPES, *Q8_TYPES)
 QK_K = 256
 Q6K_SCALE_BYTES = 20  # per super-block in the packed scales: float32 d, then the 16 int8 sub-scales
+Q6K_VALUE_BYTES = 192  # per super-block of Q6_K's values: the file's ql[128] and qh[64]
 
 
 def pack_q6k_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
@@ -50,6 +53,25 @@ def pack_q6k_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     dd = d.to(torch.float32).contiguous().view(torch.uint8).reshape(n, -1, 4)
     ss = sc.to(torch.int8).contiguous().view(torch.uint8).reshape(n, -1, 16)
     return torch.cat([dd, ss], dim=2).reshape(n, -1).contiguous()
+
+
+def q6k_values(q6: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 6-bit packing uint8 [..., K/256 * 192] (per super-block ggml's ql[128], qh[64]) -> its
+    values q - 32, int8 [..., K]: element 128 h + 32 j + l of a super-block is the nibble (j >= 2:
+    high) of ql[64 h + 32 (j & 1) + l] with bits 2 j.. of qh[32 h + l] above it."""
+    b = q6.reshape(*q6.shape[:-1], -1, Q6K_VALUE_BYTES)
+    ql = b[..., :128].reshape(*b.shape[:-1], 2, 2, 32)  # [..., h, j & 1, l]
+    qh = b[..., 128:].reshape(*b.shape[:-1], 2, 1, 32)  # [..., h, 1, l]
+    low = torch.cat([ql & 15, ql >> 4], dim=-2)  # [..., h, j, l]
+    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=q6.device)[:, None]
+    high = (qh >> shift) & 3
+    q = (low | (high << 4)).to(torch.int8) - 32
+    return q.reshape(*q6.shape[:-1], -1)
+
+
+def q8_values(q: torch.Tensor) -> torch.Tensor:
+    """A Q8Linear's values int8 [..., K]: its qweight, or what Q6_K's packing (uint8) holds."""
+    return q6k_values(q) if q.dtype == torch.uint8 else q
 
 
 def q8_block_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -159,17 +181,14 @@ def _q5_k(raw: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _q6_k(raw: np.ndarray) -> dict[str, np.ndarray]:
+    """Served at the file's own size: its 6-bit packing (ql, qh: q6k_values reads them), d per 256
+    and the int8 sub-scales (pack_q6k_scales puts them together)."""
     b = _blocks(raw, 210)
-    n, s = b.shape[0], b.shape[1]
-    ql = b[..., 0:128].reshape(n, s, 2, 2, 32)  # [half, bytes 0-31 / 32-63 of the half, l]
-    qh = b[..., 128:192].reshape(n, s, 2, 1, 32)
-    # ql[l] holds quarters 0 (low nibble) and 2 (high), ql[32 + l] quarters 1 and 3: [N, S, half, 4, l]
-    low = np.concatenate([ql & 15, ql >> 4], axis=3)
-    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, None, :, None]) & 3
-    q = (low | (high << 4)).astype(np.int16) - 32
-    sc = b[..., 192:208].view(np.int8)  # [N, S, 16]
-    # d per 256 and the file's int8 sub-scales (pack_q6k_scales), not their product per 16 in float32
-    return {"q8": _rows(q).astype(np.int8), "d": _f32(b[..., 208:210]), "sc": _rows(sc)}
+    return {
+        "q6": _rows(b[..., 0:192]),
+        "d": _f32(b[..., 208:210]),
+        "sc": _rows(b[..., 192:208].view(np.int8)),
+    }
 
 
 def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:

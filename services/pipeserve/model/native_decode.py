@@ -46,7 +46,7 @@ def _q4(lin: torch.nn.Module) -> Q4:
         n, k = lin.weight.shape
         return Q4(lin.weight.data_ptr(), None, None, bias, n, k, 0, W_F32)
     if isinstance(lin, Q8Linear):
-        n, k = lin.qweight.shape
+        n, k = lin.out_features, lin.in_features  # Q6_K's qweight is its packing, not [N, K]
         mins = None if lin.mins is None else lin.mins.data_ptr()  # GGUF's Q5_1/Q5_K form; sub: Q6_K's 16
         return Q4(lin.qweight.data_ptr(), lin.scales.data_ptr(), mins, bias, n, k, lin.sub, W_Q8)
     if isinstance(lin, ConcatLinear):  # the parts' array lives as long as the module

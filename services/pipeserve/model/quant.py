@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from pipeserve.model.gguf_types import Q6K_SCALE_BYTES, QK_K, q8_block_scales
+from pipeserve.model.gguf_types import Q6K_SCALE_BYTES, Q6K_VALUE_BYTES, QK_K, q8_block_scales, q8_values
 
 if TYPE_CHECKING:
     from pipeserve_kernels.native import Native
@@ -287,9 +287,10 @@ def quantize_q8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.
 
 class Q8Linear(nn.Module):
     """w = q * d (+ m) over blocks along the input dim, served by dense.c's q8_matmul: GGUF's Q8_0
-    (d per 32), and the int8 form of Q5_0, Q5_1, Q5_K (d and a min m per 32) and Q6_K (d * sc per
-    16: scales packed as the file has them, pack_q6k_scales) that gguf_blocks.py serves those types
-    in, exactly.
+    (d per 32), and the int8 form of Q5_0, Q5_1, Q5_K (d and a min m per 32) that gguf_blocks.py
+    serves those types in, exactly; and Q6_K at the file's own size (w = d sc (q - 32) per 16): q
+    its 6-bit packing (uint8 [N, K/256 * 192], gguf_types.q6k_values), d its float per 256 and int8
+    sub-scales (uint8 [N, K/256 * 20], gguf_types.pack_q6k_scales).
 
     Q8_0 is built only on a CPU with the native kernels (`q8_native`); per-block scales keep a GGUF
     file's Q8_0 tensors exact (Int8Linear's per-channel scales requantize them) and quantize a float
@@ -314,13 +315,13 @@ class Q8Linear(nn.Module):
         fallback: bool = False,
     ) -> None:
         super().__init__()
-        n, k = q.shape
-        packed = d.dtype == torch.uint8  # Q6_K's scales (pack_q6k_scales)
-        want = (n, k // QK_K * Q6K_SCALE_BYTES) if packed else (n, k // Q8_BLOCK)
-        if k % (QK_K if packed else Q8_BLOCK) or tuple(d.shape) != want:
+        q6k = q.dtype == torch.uint8  # Q6_K's packing, with its scales packed as uint8 too
+        n, k = q.shape[0], q.shape[1] // Q6K_VALUE_BYTES * QK_K if q6k else q.shape[1]
+        want = (n, k // QK_K * Q6K_SCALE_BYTES) if q6k else (n, k // Q8_BLOCK)
+        if q.shape[1] % (Q6K_VALUE_BYTES if q6k else Q8_BLOCK) or tuple(d.shape) != want:
             raise ValueError(
-                f"Q8Linear: q {tuple(q.shape)} and d {tuple(d.shape)} are neither float scales per 32 "
-                "nor Q6_K's packed ones per 256"
+                f"Q8Linear: q {tuple(q.shape)} {q.dtype} and d {tuple(d.shape)} are neither int8 blocks "
+                "with float scales per 32 nor Q6_K's packing with its scales per 256"
             )
         if mins is not None and tuple(mins.shape) != (n, k // Q8_BLOCK):
             raise ValueError(f"Q8Linear: mins {tuple(mins.shape)} are not one per block of 32")
@@ -329,19 +330,16 @@ class Q8Linear(nn.Module):
             raise ValueError("Q8Linear needs the native CPU kernels")
         self._kernels = kernels
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", d if packed else d.float())
+        self.register_buffer("scales", d if q6k else d.float())
+        self.in_features = k
         self.register_buffer("mins", None if mins is None else mins.float())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_dtype = out_dtype
 
     @property
     def sub(self) -> int:
-        """Elements per scale: 32, or 16 (Q6_K's packed scales)."""
-        return 16 if self.scales.dtype == torch.uint8 else Q8_BLOCK
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1]
+        """Elements per scale: 32, or 16 (Q6_K)."""
+        return 16 if self.qweight.dtype == torch.uint8 else Q8_BLOCK
 
     @property
     def out_features(self) -> int:
@@ -349,8 +347,8 @@ class Q8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the kernel computes with: q * d (+ m), as gguf dequantizes the file."""
-        n, k = self.qweight.shape
-        w = self.qweight.float().reshape(n, -1, self.sub) * q8_block_scales(self.scales)[..., None]
+        n, k = self.out_features, self.in_features
+        w = q8_values(self.qweight).float().reshape(n, -1, self.sub) * q8_block_scales(self.scales)[..., None]
         if self.mins is not None:
             w = w.reshape(n, -1, Q8_BLOCK) + self.mins[..., None]
         return w.reshape(n, k)
@@ -361,8 +359,10 @@ class Q8Linear(nn.Module):
         if triton_path(x.device):
             from pipeserve_kernels.triton_quant import q8_blocks_linear
 
-            # Q6_K's scales per 16 expanded per call (2 bits a weight, transient): the Triton kernel's
-            y = q8_blocks_linear(x2.contiguous(), self.qweight, q8_block_scales(self.scales), self.mins)
+            # Q6_K's values and scales per 16 expanded per call (10 bits a weight, transient): the
+            # Triton kernel's form
+            q, d = q8_values(self.qweight), q8_block_scales(self.scales)
+            y = q8_blocks_linear(x2.contiguous(), q, d, self.mins)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
             return y.to(self.out_dtype).reshape(*shape[:-1], -1)
         if self._kernels is not None and x.device.type == "cpu":
