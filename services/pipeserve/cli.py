@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from dataclasses import fields
@@ -46,7 +47,7 @@ from pipeserve.config import (
 )
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
-from pipeserve.obs.logs import add_log_args, configure_from_args
+from pipeserve.obs.logs import JsonFormatter, add_log_args, configure_from_args, set_identity
 from pipeserve.sampling_fields import SAMPLING_FIELDS
 from pipeserve.stage_flags import add_stage_args
 
@@ -156,6 +157,7 @@ def _stage(args: argparse.Namespace) -> NoReturn:
     missing = [n for n in ("model", "rank", "world_size") if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"stage: missing {', '.join('--' + m.replace('_', '-') for m in missing)}")
+    set_identity(stage=args.rank)  # a refusal below is this stage's log line too
     model = resolve_model(args.model)  # before the side port, the rendezvous or a weight is touched
     check_files(model.dir, tokenizer=False)
     args.quantization = default_quantization(model, args.quantization)
@@ -263,11 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     compute_env.prepare()  # before any subcommand loads torch (libgomp reads it then)
     args = build_parser().parse_args(argv)
+    handler = None
     try:
-        configure_from_args(args)  # exported to the environment: child processes log the same way
+        handler = configure_from_args(args)  # exported to the environment: child processes log the same way
         return args.func(args)
     except (ValueError, ModelLoadError) as e:  # bad input, a model that cannot be had: not a crash
-        print(f"pipeserve: error: {e}", file=sys.stderr)
+        if handler is not None and isinstance(handler.formatter, JsonFormatter):
+            # a log shipper reads one JSON document per line (a stage's pod log): the error is one
+            logging.getLogger("pipeserve.cli").error("pipeserve: error: %s", e)
+        else:
+            print(f"pipeserve: error: {e}", file=sys.stderr)
         return ExitCode.CANNOT_START
 
 

@@ -47,7 +47,7 @@ class ModelPath:
 
 
 def resolve_model(model: str | None, home: Path | None = None) -> ModelPath:
-    if model is None:
+    if not model:  # None or "" (an empty PIPESERVE_MODEL): the default model
         from pipeserve.model.default import default_model
 
         return ModelPath(default_model(home))
