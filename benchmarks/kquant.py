@@ -68,6 +68,7 @@ def cpu() -> str:
 def ensure_files(mixes: list[str]) -> dict[str, tuple[Path, Path]]:
     """mix -> (GGUF file, converted directory), made if absent."""
     from gguf_support import write_llama_gguf
+    from pipeserve.model.default import CONVERTER_VERSION
     from pipeserve.model.gguf import convert_gguf
 
     if not MODEL.is_dir():
@@ -75,7 +76,8 @@ def ensure_files(mixes: list[str]) -> dict[str, tuple[Path, Path]]:
     OUT.mkdir(parents=True, exist_ok=True)
     out = {}
     for mix in mixes:
-        src, conv = OUT / f"{mix}.gguf", OUT / f"{mix}-out"
+        # the converter's version names the directory: a served form that changed is converted again
+        src, conv = OUT / f"{mix}.gguf", OUT / f"{mix}-out-c{CONVERTER_VERSION}"
         if not src.exists():
             write_llama_gguf(MODEL, src, quant=_mix(mix))
         if not conv.exists():
@@ -86,6 +88,7 @@ def ensure_files(mixes: list[str]) -> dict[str, tuple[Path, Path]]:
 
 def peer_files() -> dict[str, tuple[Path, Path]]:
     """llama-quantize's files of the same checkpoint (built and made if absent), converted."""
+    from pipeserve.model.default import CONVERTER_VERSION
     from pipeserve.model.gguf import convert_gguf
 
     if not QUANTIZE.exists():
@@ -95,7 +98,7 @@ def peer_files() -> dict[str, tuple[Path, Path]]:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer.py"), "convert"], check=True)
     out = {}
     for t in PEER_TYPES:
-        src, conv = OUT / f"peer-{t}.gguf", OUT / f"peer-{t}-out"
+        src, conv = OUT / f"peer-{t}.gguf", OUT / f"peer-{t}-out-c{CONVERTER_VERSION}"
         if not src.exists():
             subprocess.run([str(QUANTIZE), str(PEER_F32), str(src), t], check=True, capture_output=True)
         if not conv.exists():
