@@ -1,5 +1,6 @@
 """The multi-host fault suite's fixture and marks: `pytestmark = FAULTS` in each module marks it
-`faults` and skips it, with the reason, where namespaces cannot be built (not root, no `ip netns`)."""
+`faults` (and `slow`) and skips it, with the reason, where namespaces cannot be built (not root, no
+`ip netns`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from cluster import Cluster
 from netns import unavailable_reason
 
 _WHY = unavailable_reason()
-FAULTS = [pytest.mark.faults, pytest.mark.skipif(_WHY is not None, reason=f"multi-host fault suite: {_WHY}")]
+# slow too: each test starts a group (10-60 s), so `make test-fast` leaves them out
+_SKIP = pytest.mark.skipif(_WHY is not None, reason=f"multi-host fault suite: {_WHY}")
+FAULTS = [pytest.mark.faults, pytest.mark.slow, _SKIP]
 
 
 @pytest.fixture(name="cluster")

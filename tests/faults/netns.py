@@ -191,8 +191,12 @@ class Hosts:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+        # a veth pair goes with either end, at once; a namespace's own teardown (which would take its
+        # veths too) is asynchronous and slow while sockets on a cut link still hold data
+        for veth in [*self.veth.values(), f"pf{self.run}"]:
+            sh("ip", "link", "del", veth, check=False)
         for ns in self.ns.values():
-            sh("ip", "netns", "del", ns, check=False)  # takes its veth peers with it
+            sh("ip", "netns", "del", ns, check=False)
             shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
         sh("ip", "link", "del", self.bridge, check=False)
         if check:
