@@ -2123,6 +2123,20 @@ MUTANTS = [
         'SUPPORTED_ARCHES = ("llama", "qwen2")',
         "tests/model/test_demo_archs.py",
     ),
+    (
+        "router reads a Generate stream with no deadline (multi-host: router <-> stage 0 cut)",
+        "services/pipeserve/router/upstream.py",
+        "            msg = await asyncio.wait_for(call.read(), timeout)",
+        "            msg = await call.read()",
+        "tests/faults/test_partitions.py -k router_and_stage0",
+    ),
+    (
+        "ring waits have no deadline (multi-host: a ring partition never stops the group)",
+        "services/pipeserve/ring/transport.py",
+        "        self.timeout_s = NO_DEADLINE_S if faults.no_deadline else timeout_s",
+        "        self.timeout_s = NO_DEADLINE_S",
+        "tests/faults/test_partitions.py -k past_the_deadline",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
