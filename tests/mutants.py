@@ -1514,8 +1514,8 @@ MUTANTS = [
     (
         "native: Q8_0 block scale dropped",
         "kernels/pipeserve_kernels/native/dense.c",
-        "_mm256_set1_ps(dr[c] * dx),",
-        "_mm256_set1_ps(dx),",
+        "_mm256_add_epi32(p0, p1)), _mm256_set1_ps(d0 * dx),",
+        "_mm256_add_epi32(p0, p1)), _mm256_set1_ps(dx),",
         "tests/kernels/test_native.py -k q8_0",
     ),
     (
