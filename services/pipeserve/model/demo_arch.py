@@ -33,7 +33,7 @@ def arch_fields(spec: DemoSpec) -> dict:
         "query_pre_attn_scalar": spec.hidden // spec.heads,
         "sliding_window": WINDOW,
     }
-    fields = {
+    fields: dict[str, dict] = {
         "mistral": {"sliding_window": WINDOW},
         "qwen3": {"use_sliding_window": False, "sliding_window": None, "attention_bias": False},
         "phi3": {"sliding_window": WINDOW},
@@ -64,8 +64,10 @@ def _parts(source: Cat | Fused | Stack, shape: tuple[int, ...], sizes: dict[str,
     if len(source.names) == 1:
         return [(source.names[0], shape)]
     keys = [n.split(".")[-2].removesuffix("_proj") for n in source.names]
-    rows = [sizes[k] for k in keys] if set(keys) <= {"q", "k", "v"} else [shape[0] // len(keys)] * len(keys)
-    return [(n, (r, *shape[1:])) for n, r in zip(source.names, rows, strict=True)]
+    split: list[int] = (
+        [sizes[k] for k in keys] if set(keys) <= {"q", "k", "v"} else [shape[0] // len(keys)] * len(keys)
+    )
+    return [(n, (r, *shape[1:])) for n, r in zip(source.names, split, strict=True)]
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
