@@ -38,6 +38,14 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return converted_smollm2(tmp_path_factory.getbasetemp())
 
 
+def test_the_default_model_samples_as_its_card_says(smollm2: Path) -> None:
+    """Its GGUF carries no sampling metadata: the card's temperature and top_p are its request defaults."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig.from_pretrained(smollm2)
+    assert (gen.temperature, gen.top_p) == (0.2, 0.9)
+
+
 @pytest.fixture(scope="module")
 def hf_tok(smollm2: Path):
     from transformers import AutoTokenizer

@@ -17,6 +17,7 @@ the package. Nothing is fetched at run time.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -60,13 +61,33 @@ def smollm2_gguf() -> Path:
     )
 
 
+# The sampling SmolLM2-135M-Instruct's model card generates with. Its GGUF file carries no sampling
+# metadata and its HF generation_config.json none either, so a request without `temperature` sampled
+# at 1.0, where a 135M model babbles ("France, enchantment, sirere fini, turquoises…"); written into
+# the converted checkpoint's generation_config.json, the request defaults apply them (vLLM's
+# --generation-config auto; `--generation-config vllm` turns them off, a request's own values win).
+MODEL_CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def default_model(home: Path | None = None) -> Path:
     """The default model's checkpoint directory, converted from the packaged GGUF on first use."""
     # Named after the converter's version: a directory an older converter wrote is not reused.
     out = (home or pipeserve_home()) / f"smollm2-135m-instruct-c{CONVERTER_VERSION}"
-    if (out / "config.json").is_file():
-        return out
-    return convert_once(smollm2_gguf(), out)
+    if not (out / "config.json").is_file():
+        convert_once(smollm2_gguf(), out)
+    _add_defaults(out / "generation_config.json", MODEL_CARD_SAMPLING)
+    return out
+
+
+def _add_defaults(path: Path, values: dict) -> None:
+    """Add `values`' keys that `path` (a generation_config.json) lacks; atomic (a reader sees the old
+    file or the new one), idempotent, and a no-op once they are there."""
+    current = json.loads(path.read_text()) if path.is_file() else {}
+    if all(k in current for k in values):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**values, **current}, indent=2))
+    tmp.replace(path)
 
 
 def convert_once(src: Path, out: Path, progress_s: float = 2.0) -> Path:
