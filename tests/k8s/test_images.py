@@ -219,6 +219,11 @@ MODEL_MODULES = (  # these packages and their modules (pipeserve.stage_flags is 
 )
 
 
+# Model modules that import no torch and that the CLI's parser reads: the demo's spec, and the
+# registry's index of architectures (`demo-model --arch` choices; each arch module loads on demand).
+TORCH_FREE_MODEL_MODULES = ("pipeserve.model.demo_spec", "pipeserve.model.arch")
+
+
 def _no_torch(code: str, tmp: Path) -> tuple[list[str], dict[str, str], Path]:
     """argv and env that run `code` under the no-torch Python; the file it reports its modules to."""
     report = tmp / f"modules-{len(list(tmp.glob('modules-*')))}.json"
@@ -236,7 +241,7 @@ def _loaded(report: Path) -> list[str]:
         m
         for m in got["loaded"]
         if any(m == p or m.startswith(p.rstrip(".") + ".") for p in MODEL_MODULES)
-        and m != "pipeserve.model.demo_spec"
+        and m not in TORCH_FREE_MODEL_MODULES
     ]
     assert heavy == [], f"model modules loaded without torch: {heavy}"
     return got["loaded"]
