@@ -1395,8 +1395,8 @@ MUTANTS = [
     (
         "Triton int8 kernel does not apply the per-channel scale",
         "kernels/pipeserve_kernels/triton_quant.py",
-        "(acc * s[None, :]).to(y_ptr.dtype.element_ty)",
-        "acc.to(y_ptr.dtype.element_ty)",
+        "_store(y_ptr, acc * s[None, :], rm, rn, M, N, stride_ym)",
+        "_store(y_ptr, acc, rm, rn, M, N, stride_ym)",
         "tests/kernels/test_triton_quant.py -k int8_linear_matches",
     ),
     (

@@ -53,6 +53,33 @@ def _block_m(m: int) -> int:
     return max(16, min(64, triton.next_power_of_2(m)))
 
 
+# The parts every kernel below shares: a K tile of x, the mask of w.T's tile, the dot, the store.
+@triton.jit
+def _x_tile(x_ptr, rm, rk, M, K, stride_xm):
+    """x [BLOCK_M, BLOCK_K], zero outside [M, K]."""
+    xm = (rm[:, None] < M) & (rk < K)[None, :]
+    return tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
+
+
+@triton.jit
+def _w_mask(rk, rn, N, K):
+    """The [BLOCK_K, BLOCK_N] mask of w.T's tile."""
+    return (rk < K)[:, None] & (rn[None, :] < N)
+
+
+@triton.jit
+def _dot(acc, x, w, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    return acc + tl.dot(x, w, input_precision="ieee")
+
+
+@triton.jit
+def _store(y_ptr, y, rm, rn, M, N, stride_ym):
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _int4_kernel(
     x_ptr,
@@ -79,10 +106,8 @@ def _int4_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        km = rk < K
-        xm = (rm[:, None] < M) & km[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
-        wm = km[:, None] & (rn[None, :] < N)
+        x = _x_tile(x_ptr, rm, rk, M, K, stride_xm)
+        wm = _w_mask(rk, rn, N, K)
         # [BLOCK_K, BLOCK_N] tile of w.T: byte k // 2 holds element k in its low (even k) or high nibble.
         packed = tl.load(w_ptr + rn[None, :] * stride_wn + (rk // 2)[:, None], mask=wm, other=0)
         q = (packed >> ((rk % 2) * 4)[:, None]) & 15
@@ -90,14 +115,8 @@ def _int4_kernel(
         s = tl.load(s_ptr + rn[None, :] * stride_sn + g, mask=wm, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + rn[None, :] * stride_zn + g, mask=wm, other=0.0).to(tl.float32)
         w = ((q.to(tl.float32) - 8.0) * s + z).to(x.dtype)
-        if DOT_F32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
+        acc = _dot(acc, x, w, DOT_F32)
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym)
 
 
 @triton.jit
@@ -122,21 +141,13 @@ def _int8_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        km = rk < K
-        xm = (rm[:, None] < M) & km[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
-        wm = km[:, None] & (rn[None, :] < N)
+        x = _x_tile(x_ptr, rm, rk, M, K, stride_xm)
+        wm = _w_mask(rk, rn, N, K)
         q = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=wm, other=0)
         w = q.to(tl.float32).to(x.dtype)  # |q| <= 127: exact in float16 and bfloat16
-        if DOT_F32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
+        acc = _dot(acc, x, w, DOT_F32)
     s = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        (acc * s[None, :]).to(y_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
+    _store(y_ptr, acc * s[None, :], rm, rn, M, N, stride_ym)
 
 
 @triton.jit
@@ -166,10 +177,8 @@ def _q8_blocks_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        km = rk < K
-        xm = (rm[:, None] < M) & km[None, :]
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0)
-        wm = km[:, None] & (rn[None, :] < N)
+        x = _x_tile(x_ptr, rm, rk, M, K, stride_xm)
+        wm = _w_mask(rk, rn, N, K)
         q = tl.load(w_ptr + rn[None, :] * stride_wn + rk[:, None], mask=wm, other=0)
         s = tl.load(s_ptr + rn[None, :] * stride_sn + (rk // SUB)[:, None], mask=wm, other=0.0)
         w = q.to(tl.float32) * s.to(tl.float32)
@@ -177,14 +186,8 @@ def _q8_blocks_kernel(
             mn = tl.load(m_ptr + rn[None, :] * stride_mn + (rk // 32)[:, None], mask=wm, other=0.0)
             w = w + mn.to(tl.float32)
         w = w.to(x.dtype)
-        if DOT_F32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
+        acc = _dot(acc, x, w, DOT_F32)
+    _store(y_ptr, acc, rm, rn, M, N, stride_ym)
 
 
 def int4_linear(
