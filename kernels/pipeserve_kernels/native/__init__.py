@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 # One library from these (native.h is their shared header): the build's inputs and its cache key.
-SOURCES = [HERE / name for name in ("common.c", "q4.c", "dense.c", "decode.c", "prefill.c")]
+SOURCES = [HERE / name for name in ("common.c", "q4.c", "dense.c", "decode.c", "prefill.c", "vnni.c")]
 HEADER = HERE / "native.h"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 # What the library is compiled for: this CPU. The tests also build other x86 levels (an AVX2-only

@@ -137,6 +137,12 @@ static void q8_rows_int_any(const QX *x, int m, int k, const int8_t *q, const fl
  * tiles hold one scale per 32: scales per 16 take the int16 path at every row count. */
 void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub, int n,
                const float *bias, float *y) {
+#if VNNI512
+    if (m <= INT_ROWS || sub != 32) {
+        q8_matmul_vnni(x, m, k, q, d, mn, sub, n, bias, y);
+        return;
+    }
+#endif
 #if defined(__AVX2__)
     if (m <= INT_ROWS || sub != 32) {
         int per = 16, tasks = (n + per - 1) / per;

@@ -110,8 +110,9 @@ int threads(void);
 
 /* Grow-only per-thread buffer `slot` of at least n floats, 64-byte aligned (common.c). Slots: 0
  * weight tiles, 1 reordered x, 2 attention scores, 3 decode-step activations, 4 int16 x,
- * 5 attention partials, 6 x's int8 planes (prefill.c), 7 a mixed fused projection's part (decode.c). */
-#define SCRATCH_SLOTS 8
+ * 5 attention partials, 6 x's int8 planes (prefill.c), 7 a mixed fused projection's part (decode.c),
+ * 8 x's int8 planes for vnni.c. */
+#define SCRATCH_SLOTS 9
 float *scratch(int slot, size_t n);
 
 #define SMALL_M 4
@@ -181,5 +182,15 @@ void q4_matmul_into(const float *x, float *xp, int m, int k, const uint8_t *q, c
 void q8_matmul(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub, int n,
                const float *bias, float *y);
 void f32_matmul(const float *x, int m, int k, const float *w, int n, const float *bias, float *y);
+
+/* AVX-512 VNNI (vnni.c): q8_matmul's blocks on vpdpbusd, x as prefill.c's two int8 planes per 32; dense.c
+ * sends it Q6_K at every row count and the blocks of 32 up to INT_ROWS rows. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI512 1
+void q8_matmul_vnni(const float *x, int m, int k, const int8_t *q, const float *d, const float *mn, int sub, int n,
+                    const float *bias, float *y);
+#else
+#define VNNI512 0
+#endif
 
 #endif
