@@ -78,6 +78,8 @@ def _serve(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> i
         return serve_leader(config, serve, rdzv, status)
     status.phase = ProcessPhase.JOINING
     stage = build_stage(config, rdzv)
+    if stage.runner.grammar is not None:  # the last stage: its first structured request pays no start-up
+        stage.runner.grammar.book.warm()
     follower = Follower(stage)
     detector = WedgeDetector(
         f"stage {rdzv.rank}", follower.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s

@@ -40,10 +40,10 @@ import time
 
 import grpc
 
-from pipeserve.care.health import StageStatus
+from pipeserve.care.health import Metric, StageStatus
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
-from pipeserve.engine.grammar import COMPILE_DEADLINE_S
+from pipeserve.engine.grammar_pool import CompileBusy, GrammarPool
 from pipeserve.errors import ExitCode, InvalidRequestError
 from pipeserve.lifecycle import ProcessPhase
 from pipeserve.obs import tracing
@@ -114,8 +114,11 @@ CALLS_END_S = 10.0  # how long a stopping server waits for its open calls to sen
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, loop: EngineLoop, model_name: str, status: StageStatus) -> None:
+    def __init__(
+        self, loop: EngineLoop, model_name: str, status: StageStatus, pool: GrammarPool | None = None
+    ) -> None:
         self.loop = loop
+        self.pool = pool
         self.model_name = model_name
         self.status = status
         engine = loop.engine
@@ -136,7 +139,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.param}: {e.message}")
         except DuplicateRequest as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {e}")
-        except Overloaded as e:
+        except (Overloaded, CompileBusy) as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NotServing as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"group not serving: {e}")
@@ -158,18 +161,17 @@ class GenerationService(pb_grpc.GenerationServicer):
                 self.loop.abort(rid)
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
-        """Stage 0 decides: a structured spec compiles (off the event loop, within a deadline)
-        before the request is admitted; submit's own check then hits the cache (engine/grammar.py)."""
+        """Stage 0 decides: a structured spec compiles (in the killable pool, engine/grammar_pool.py:
+        a queue deadline, then a compile budget) before the request is admitted; submit's own check
+        then finds it in the book (engine/grammar.py). A call cancelled meanwhile kills its compile."""
         book = self.loop.engine.grammar_book
         if not params.structured_kind or book is None:
             return
         args = (params.structured_kind, params.structured, params.structured_compact)
-        try:
-            await asyncio.wait_for(asyncio.to_thread(book.compile, *args), COMPILE_DEADLINE_S)
-        except TimeoutError:
-            raise InvalidRequestError(
-                "structured", f"did not compile within {COMPILE_DEADLINE_S:g} s"
-            ) from None
+        if self.pool is None:  # no tokenizer for the pool: the book says why, at once
+            await asyncio.to_thread(book.compile, *args)
+            return
+        await self.pool.compile(*args)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.loop.abort(request.request_id))
@@ -198,11 +200,44 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
+async def _grammar_pool(loop: EngineLoop, status: StageStatus) -> GrammarPool | None:
+    """The structured-output compilers, started (the tokenizer's grammar info built, each worker
+    warm) before the stage says ready: the first structured request pays no start-up."""
+    book = loop.engine.grammar_book
+    if book is None:
+        return None
+    pool = GrammarPool(book)
+    try:
+        started = await pool.start()
+    except Exception as e:  # noqa: BLE001 - no tokenizer xgrammar can read: structured requests say so
+        log.warning("structured outputs unavailable: %s: %s", type(e).__name__, e)
+        await pool.close()
+        return None
+    log.info("grammar compilers ready: %d of %d workers", started, pool.workers)
+    status.sources.append(lambda: grammar_metrics(pool))
+    return pool
+
+
+def grammar_metrics(pool: GrammarPool) -> dict[str, Metric]:
+    p = "pipeserve:"
+    return {
+        p + "grammar_compiles_waiting": Metric(
+            "gauge", "structured specs waiting for a compiler", pool.queued
+        ),
+        p + "grammar_compiles_running": Metric("gauge", "structured specs compiling now", pool.running),
+        p + "grammar_workers": Metric("gauge", "grammar compiler processes alive", len(pool.pids())),
+        p + "grammar_workers_killed_total": Metric(
+            "counter", "compiler processes killed (past the budget, cancelled, failed)", pool.killed
+        ),
+    }
+
+
 async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus, model_name: str) -> int:
     # Tracing on: the official interceptor makes Generate's server span from the router's traceparent.
     interceptors = [generate_interceptor()] if tracing.enabled() else []
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-    service = GenerationService(loop, model_name, status)
+    pool = await _grammar_pool(loop, status)
+    service = GenerationService(loop, model_name, status, pool)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     port = server.add_insecure_port(f"{serve.host}:{serve.grpc_port}")
     await server.start()
@@ -229,6 +264,8 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     while service.open_calls and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     await server.stop(grace=1.0)
+    if pool is not None:
+        await pool.close()
     status.phase = ProcessPhase.STOPPED
     if loop.failed:
         return ExitCode.DIVERGED if loop.diverged else ExitCode.GROUP_STOP

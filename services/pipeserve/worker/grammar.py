@@ -32,6 +32,7 @@ class GrammarRows:
 
     def __init__(self, book: GrammarBook) -> None:
         self.book = book
+        book.holds_matchers = True  # a pool compiling for this book must hand back the grammar itself
         self.rows: dict[str, _Row] = {}
         self._bitmask: torch.Tensor | None = None
 
