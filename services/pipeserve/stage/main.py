@@ -79,7 +79,10 @@ def _serve(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> i
     status.phase = ProcessPhase.JOINING
     stage = build_stage(config, rdzv)
     if stage.runner.grammar is not None:  # the last stage: its first structured request pays no start-up
-        stage.runner.grammar.book.warm()
+        # Beside the follower loop, not before it: stage 0's Hello waits on this stage under
+        # ring_timeout_s, and reading the tokenizer takes seconds on a busy CPU (the group stopped
+        # while forming); a compile meanwhile waits on the book's lock.
+        threading.Thread(target=stage.runner.grammar.book.warm, name="grammar-warm", daemon=True).start()
     follower = Follower(stage)
     detector = WedgeDetector(
         f"stage {rdzv.rank}", follower.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s
