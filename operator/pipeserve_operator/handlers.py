@@ -10,7 +10,8 @@
 Deletion: every object carries an owner reference to the pipeline; the cluster's garbage collector
 removes them with it, so there is no deletion handler.
 Operator-wide state is in kopf's memo: `kube` (kube.Kube), `clock` (wall time: records persist across
-operator restarts), `drain_s`, `drains` (when each scale-down's drain began), `statuses`, `loop`.
+operator restarts), `drain_s`, `drains` (when each scale-down's drain began), `statuses`, `refusals`
+(writes.py: per pipeline uid, the writes the API server refused and their backoff), `loop`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ async def run_loop(memo: Any, index: Any) -> None:
         live = {b["metadata"].get("uid") for key in list(index) for b in index.get(key) or []}
         for uid in set(memo.statuses) - live:
             del memo.statuses[uid]  # a deleted pipeline (a new one of the same name has another uid)
+        for uid in set(memo.refusals) - live:
+            del memo.refusals[uid]
         for key in list(index):
             bodies = list(index.get(key) or [])
             if not bodies:

@@ -4,6 +4,10 @@ The `kubernetes` client (synchronous) runs in `asyncio.to_thread`; every call ca
 (`REQUEST_TIMEOUT_S`, connect and read). Objects come back as plain dicts (`_preload_content=False`):
 the operator works on JSON like kopf's handlers do, and a missing field never fails a deserializer.
 Patches are JSON merge patches (`application/merge-patch+json`): a list in a patch replaces the list.
+Owned objects are written whole (`replace_*`: a PUT preconditioned on the `metadata.resourceVersion`
+the body names, so a field the operator no longer renders is gone and a concurrent write is a
+Conflict, not lost; see writes.py). A refusal other than 404 / 409 (a 4xx: invalid, forbidden, an
+admission webhook) raises `Rejected` with the server's own reason and message.
 List calls pass the label selector to the server and filter again here, so a server that ignores it
 (an emulator) cannot hand the operator another pipeline's pods.
 
@@ -32,19 +36,22 @@ NEEDS: dict[str, tuple[str, str, str]] = {
     "get_statefulset": ("apps", "statefulsets", "get"),
     "create_statefulset": ("apps", "statefulsets", "create"),
     "patch_statefulset": ("apps", "statefulsets", "patch"),
+    "replace_statefulset": ("apps", "statefulsets", "update"),
     "delete_statefulset": ("apps", "statefulsets", "delete"),
     "get_service": ("", "services", "get"),
     "create_service": ("", "services", "create"),
+    "replace_service": ("", "services", "update"),
     "delete_service": ("", "services", "delete"),
     "get_network_policy": ("networking.k8s.io", "networkpolicies", "get"),
     "create_network_policy": ("networking.k8s.io", "networkpolicies", "create"),
+    "replace_network_policy": ("networking.k8s.io", "networkpolicies", "update"),
     "delete_network_policy": ("networking.k8s.io", "networkpolicies", "delete"),
     "get_pdb": ("policy", "poddisruptionbudgets", "get"),
     "create_pdb": ("policy", "poddisruptionbudgets", "create"),
-    "patch_pdb": ("policy", "poddisruptionbudgets", "patch"),
+    "replace_pdb": ("policy", "poddisruptionbudgets", "update"),
     "list_pod_groups": ("scheduling.volcano.sh", "podgroups", "list"),
     "create_pod_group": ("scheduling.volcano.sh", "podgroups", "create"),
-    "patch_pod_group": ("scheduling.volcano.sh", "podgroups", "patch"),
+    "replace_pod_group": ("scheduling.volcano.sh", "podgroups", "update"),
     "delete_pod_group": ("scheduling.volcano.sh", "podgroups", "delete"),
     "get_node": ("", "nodes", "get"),
     "create_event": ("", "events", "create"),
@@ -72,6 +79,27 @@ class NotFound(Exception):
 
 class Conflict(Exception):
     pass
+
+
+class Rejected(Exception):
+    """The API server refused a request (4xx other than 404 / 409): `status`, `reason` and `message`
+    are the server's own (its `Status` body), e.g. 422 Invalid with the field at fault."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def _rejected(e: kubernetes.client.ApiException) -> Rejected:
+    reason, message = str(e.reason or ""), ""
+    try:
+        body = json.loads(e.body or b"{}")
+    except (TypeError, ValueError):
+        body = {}
+    if isinstance(body, dict):
+        reason = str(body.get("reason") or reason)
+        message = str(body.get("message") or "")
+    return Rejected(int(e.status), reason, message or str(e.body or "")[:1024])
 
 
 def api_client(host: str | None = None) -> kubernetes.client.ApiClient:
@@ -110,6 +138,8 @@ class Kube:
                     raise NotFound(str(e.reason)) from e
                 if e.status == 409:
                     raise Conflict(str(e.reason)) from e
+                if e.status is not None and 400 <= int(e.status) < 500:
+                    raise _rejected(e) from e
                 raise
             return json.loads(resp.data or b"{}")
 
@@ -170,6 +200,9 @@ class Kube:
     async def patch_statefulset(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.apps.patch_namespaced_stateful_set, name, ns, patch, _content_type=MERGE)
 
+    async def replace_statefulset(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.apps.replace_namespaced_stateful_set, name, ns, body)
+
     async def delete_statefulset(self, ns: str, name: str) -> None:
         await self._delete(self.apps.delete_namespaced_stateful_set, name, ns)
 
@@ -178,6 +211,9 @@ class Kube:
 
     async def create_service(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.core.create_namespaced_service, ns, body)
+
+    async def replace_service(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.core.replace_namespaced_service, name, ns, body)
 
     async def delete_service(self, ns: str, name: str) -> None:
         await self._delete(self.core.delete_namespaced_service, name, ns)
@@ -188,6 +224,9 @@ class Kube:
     async def create_network_policy(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.networking.create_namespaced_network_policy, ns, body)
 
+    async def replace_network_policy(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.networking.replace_namespaced_network_policy, name, ns, body)
+
     async def delete_network_policy(self, ns: str, name: str) -> None:
         await self._delete(self.networking.delete_namespaced_network_policy, name, ns)
 
@@ -197,9 +236,8 @@ class Kube:
     async def create_pdb(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(self.policy.create_namespaced_pod_disruption_budget, ns, body)
 
-    async def patch_pdb(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        fn = self.policy.patch_namespaced_pod_disruption_budget
-        return await self._call(fn, name, ns, patch, _content_type=MERGE)
+    async def replace_pdb(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.policy.replace_namespaced_pod_disruption_budget, name, ns, body)
 
     async def list_pod_groups(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -213,9 +251,9 @@ class Kube:
             self.custom.create_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], body
         )
 
-    async def patch_pod_group(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        fn = self.custom.patch_namespaced_custom_object
-        return await self._call(fn, *VOLCANO[:2], ns, VOLCANO[2], name, patch, _content_type=MERGE)
+    async def replace_pod_group(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        fn = self.custom.replace_namespaced_custom_object
+        return await self._call(fn, *VOLCANO[:2], ns, VOLCANO[2], name, body)
 
     async def delete_pod_group(self, ns: str, name: str) -> None:
         try:

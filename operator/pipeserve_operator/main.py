@@ -70,6 +70,7 @@ def make_memo(kube: Kube, drain_s: float, network_policies: bool = False) -> kop
         drains={},
         network_policies=network_policies,
         statuses={},
+        refusals={},
         loop=None,
     )
 

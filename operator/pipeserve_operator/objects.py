@@ -1,16 +1,16 @@
 """The objects a pipeline owns, ensured on every tick (not only when the spec changes).
 
-    await ensure_group(kube, pipeline, index, generation, live_sts, network_policies)
-    await ensure_pdb(kube, pipeline)            await ensure_pod_groups(kube, pipeline, indices)
+    await ensure_group(writer, pipeline, index, generation, live_sts, network_policies)
+    await ensure_pdb(writer, pipeline)          await ensure_pod_groups(writer, pipeline, indices)
 
 Every object carries the pipeline's owner reference (the garbage collector removes them with it).
 * Per group: the headless Service, the NetworkPolicy (`--network-policies`), the StatefulSet and,
   with `spec.placement.gang: volcano`, a Volcano PodGroup (`minMember` = stages, `minResources` =
-  stages × the stage's requests). A missing one is created; a StatefulSet whose pod template differs
-  from the rendering (a hand edit, a new operator version, a new spec) is patched back. Patching the
-  template never replaces a pod (OnDelete): groups roll only when their pods' `pipeserve.io/spec-hash`
-  differs from `spec_hash(spec)` — the user's spec, so an operator upgrade that only changes the
-  rendering rolls nothing.
+  stages × the stage's requests). A missing one is created; one that differs from the rendering (a
+  hand edit, a new operator version, a new spec, a removed field) is replaced whole (writes.py).
+  Replacing the template never replaces a pod (OnDelete): groups roll only when their pods'
+  `pipeserve.io/spec-hash` differs from `spec_hash(spec)` — the user's spec, so an operator upgrade
+  that only changes the rendering rolls nothing.
 * Per pipeline: a PodDisruptionBudget over all its stage pods (`maxUnavailable: 1`: a drain evicts one
   stage, i.e. takes one group down, at a time; `unhealthyPodEvictionPolicy: AlwaysAllow`: a group that is
   not Ready anyway never blocks a node drain).
@@ -26,7 +26,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from pipeserve_operator.crd import with_defaults
-from pipeserve_operator.kube import Kube
+from pipeserve_operator.kube import NotFound
 from pipeserve_operator.observe import HASH_ANNOTATION
 from pipeserve_operator.resources import (
     group_name,
@@ -38,10 +38,22 @@ from pipeserve_operator.resources import (
     stage_service,
     stage_statefulset,
 )
+from pipeserve_operator.writes import Writer
 
 # Spec fields that never change what a group runs: how many groups, how they roll, the router, backoffs.
 _NOT_ROLLED = ("replicas", "rollout", "router", "restartBackoffSeconds", "restartBackoffMaxSeconds")
-TEMPLATE_KEYS_CLEARED = ("nodeSelector", "tolerations", "affinity")
+# Pod-spec keys the API server never defaults in a template: present on the live template while the
+# rendering has none = added by hand (drift a hash of the rendering cannot see).
+TEMPLATE_KEYS_CLEARED = (
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "priorityClassName",
+    "runtimeClassName",
+    "serviceAccountName",
+    "imagePullSecrets",
+    "topologySpreadConstraints",
+)
 SURGE_ANNOTATION = "pipeserve.io/surge"  # on a StatefulSet created as a rollout's surge group
 
 
@@ -55,16 +67,6 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def contains(live: Any, want: Any) -> bool:
-    """`want` is found in `live` (dicts: every key of `want`, recursively; lists: same length, item by
-    item): the API server's defaulted fields on `live` are not drift."""
-    if isinstance(want, dict):
-        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(live, list) and len(live) == len(want) and all(map(contains, live, want))
-    return bool(live == want or (want is not None and str(live) == str(want) and type(live) is not bool))
-
-
 def desired_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, Any]:
     desired = stage_statefulset(pipeline, index, max(1, generation))
     template = desired["spec"]["template"]
@@ -72,15 +74,13 @@ def desired_statefulset(pipeline: dict, index: int, generation: int) -> dict[str
     return desired
 
 
-def _drifted(live: dict[str, Any], desired: dict[str, Any]) -> bool:
-    have, want = live["spec"].get("template") or {}, desired["spec"]["template"]
-    if not contains(have, want):
-        return True
-    return any(k in (have.get("spec") or {}) for k in TEMPLATE_KEYS_CLEARED if k not in want["spec"])
+def _hand_added(live: dict[str, Any], desired: dict[str, Any]) -> bool:
+    have = (live["spec"].get("template") or {}).get("spec") or {}
+    return any(k in have for k in TEMPLATE_KEYS_CLEARED if k not in desired["spec"]["template"]["spec"])
 
 
 async def ensure_group(
-    kube: Kube,
+    writer: Writer,
     pipeline: dict,
     index: int,
     generation: int,
@@ -89,30 +89,24 @@ async def ensure_group(
     stopped: bool = False,
     surge: bool = False,
 ) -> bool:
-    """Create or patch back the group's objects; True when the StatefulSet was created or patched.
-    `generation`: the group's current incarnation (the template's generation label); `live`: its
-    StatefulSet as listed this tick (None: none); `stopped`: the group waits out a backoff (created
-    with no pods: the supervisor's START scales it up); `surge`: created as a rollout's surge group."""
-    ns, name = pipeline["metadata"]["namespace"], group_name(pipeline, index)
-    if await kube.get_service(ns, name) is None:
-        await kube.create_service(ns, stage_service(pipeline, index))
-    if network_policies and await kube.get_network_policy(ns, name) is None:
-        await kube.create_network_policy(ns, group_network_policy(pipeline, index))
+    """Create or replace the group's objects (writes.py: whole, drift only); True when its StatefulSet
+    exists after this. `generation`: the group's current incarnation (the template's generation label);
+    `live`: its StatefulSet as listed this tick (None: none); `stopped`: the group waits out a backoff
+    (created with no pods: the supervisor's START scales it up); `surge`: created as a rollout's surge
+    group (the mark is kept on every later replace)."""
+    kube, ns, name = writer.kube, pipeline["metadata"]["namespace"], group_name(pipeline, index)
+    await writer.ensure(stage_service(pipeline, index), await kube.get_service(ns, name))
+    if network_policies:
+        policy = await kube.get_network_policy(ns, name)
+        await writer.ensure(group_network_policy(pipeline, index), policy)
     desired = desired_statefulset(pipeline, index, generation)
     if live is None:
         if stopped:
             desired["spec"]["replicas"] = 0
         if surge:
             desired["metadata"]["annotations"] = {SURGE_ANNOTATION: "true"}
-        await kube.create_statefulset(ns, desired)
-        return True
-    if not _drifted(live, desired):
-        return False
-    template = desired["spec"]["template"]
-    cleared = {k: None for k in TEMPLATE_KEYS_CLEARED if k not in template["spec"]}
-    patch = {"spec": {"template": {**template, "spec": {**template["spec"], **cleared}}}}
-    await kube.patch_statefulset(ns, name, patch)
-    return True
+        return await writer.ensure(desired, None)
+    return await writer.ensure(desired, live, drift=_hand_added(live, desired))
 
 
 def disruption_budget(pipeline: dict) -> dict[str, Any]:
@@ -134,14 +128,10 @@ def disruption_budget(pipeline: dict) -> dict[str, Any]:
     }
 
 
-async def ensure_pdb(kube: Kube, pipeline: dict) -> None:
+async def ensure_pdb(writer: Writer, pipeline: dict) -> None:
     desired = disruption_budget(pipeline)
-    ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
-    live = await kube.get_pdb(ns, name)
-    if live is None:
-        await kube.create_pdb(ns, desired)
-    elif not contains(live.get("spec"), desired["spec"]):
-        await kube.patch_pdb(ns, name, {"spec": desired["spec"]})
+    live = await writer.kube.get_pdb(desired["metadata"]["namespace"], desired["metadata"]["name"])
+    await writer.ensure(desired, live)
 
 
 def _times(quantity: Any, n: int) -> str:
@@ -176,18 +166,22 @@ def gang(spec: dict[str, Any]) -> str:
     return str((spec.get("placement") or {}).get("gang") or "none")
 
 
-async def ensure_pod_groups(kube: Kube, pipeline: dict, indices: list[int]) -> None:
-    """With gang "volcano": a PodGroup for each group in `indices`, none for any other group (removed on
-    scale-down)."""
-    if gang(pipeline["spec"]) != "volcano":
-        return  # no Volcano (maybe not even its CRD): nothing to list
+async def ensure_pod_groups(writer: Writer, pipeline: dict, indices: list[int]) -> None:
+    """With gang "volcano": a PodGroup for each group in `indices`; none for any other group (scaled
+    away) and none at all under another gang mode (a pipeline switched from volcano to none or kueue).
+    NotFound: the PodGroup API is not served (raised only when PodGroups are wanted: without Volcano
+    there is nothing to remove)."""
     ns = pipeline["metadata"]["namespace"]
-    wanted = {pod_group_name(pipeline, i): pod_group(pipeline, i) for i in indices}
-    live = {g["metadata"]["name"]: g for g in await kube.list_pod_groups(ns, pipeline_selector(pipeline))}
+    volcano = gang(pipeline["spec"]) == "volcano"
+    wanted = {pod_group_name(pipeline, i): pod_group(pipeline, i) for i in indices} if volcano else {}
+    try:
+        listed = await writer.kube.list_pod_groups(ns, pipeline_selector(pipeline))
+    except NotFound:
+        if wanted:
+            raise
+        return
+    live = {g["metadata"]["name"]: g for g in listed}
     for name, desired in wanted.items():
-        if name not in live:
-            await kube.create_pod_group(ns, desired)
-        elif not contains(live[name].get("spec"), desired["spec"]):
-            await kube.patch_pod_group(ns, name, {"spec": desired["spec"]})
+        await writer.ensure(desired, live.get(name))
     for name in sorted(set(live) - set(wanted)):
-        await kube.delete_pod_group(ns, name)
+        await writer.kube.delete_pod_group(ns, name)

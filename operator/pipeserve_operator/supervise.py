@@ -5,7 +5,10 @@ Order within a tick (each step needs the previous one done):
 1. The finalizer an older operator version left (kopf's timer marker) is removed: nothing of this
    operator blocks a deletion. A pipeline being deleted is left to the garbage collector.
 2. Every wanted group's objects (groups 0..replicas-1, plus the surge group `replicas` while a rollout
-   wants one: `care.restarts.want_surge`), the PodDisruptionBudget and the PodGroups are ensured.
+   wants one: `care.restarts.want_surge`), the PodDisruptionBudget and the PodGroups are ensured,
+   written whole (writes.py). A write the API server refuses (4xx) holds back only that object: the
+   status says Degraded (WriteRejected, the server's message), an Event is posted, the write is
+   retried with backoff; the other objects and groups go on.
 3. Each group: observe its pods, `decide`, act (groups.act). A group may roll (its pods carry an older
    `pipeserve.io/spec-hash`) only when `care.restarts.may_roll` allows it.
 4. Groups no longer wanted leave status.groups (the router stops routing to them) first; their
@@ -13,7 +16,8 @@ Order within a tick (each step needs the previous one done):
 5. A group pod Terminating 30 s past its grace period on a node that is NotReady, Unknown or gone is
    deleted with grace 0 (preconditioned on its uid), with an Event and `status.forcedDeletions`.
 6. Status, through the status subresource (this loop is its only writer). `observedGeneration` is the
-   generation whose objects were all ensured in step 2 (an exception before skips the write);
+   generation whose objects were all ensured in step 2 (none refused, none raced: a Conflict is
+   retried on the next tick; an exception before skips the write);
    `Ready` is True only when that generation is observed and every group 0..replicas-1 is Ready on the
    current spec, and no other group remains: `kubectl wait --for=condition=Ready` after an apply
    never returns mid-rollout (the conditions carry `observedGeneration` too, which kubectl compares).
@@ -53,6 +57,7 @@ from pipeserve_operator.resources import (
     selector_string,
     stage_statefulset,
 )
+from pipeserve_operator.writes import Refusal, Writer
 
 LEGACY_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
 STUCK_AFTER_S = 30.0
@@ -123,6 +128,8 @@ class Tick:
     updated: int = 0
     present: set[int] = dataclasses.field(default_factory=set)
     unensured: str = ""  # why an object of this generation could not be ensured (not observed)
+    refused: list[Refusal] = dataclasses.field(default_factory=list)  # writes the API server refused
+    conflicts: int = 0  # writes that raced another writer (retried next tick; not observed)
 
 
 async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | None:
@@ -172,20 +179,23 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
     extra = sorted(set(sets) - set(wanted))
     seen = Tick(present=set(sets))
     if not problem:
+        writer = Writer(memo, pipeline, now)
         for i in wanted:
             stopped = records[i].phase in (GroupPhase.RESTARTING, GroupPhase.FAILED)
             live, surge_group = sets.get(i), i >= replicas
-            await ensure_group(
-                kube, pipeline, i, records[i].generation, live, memo.network_policies, stopped, surge_group
-            )
-        await ensure_pdb(kube, pipeline)
+            generation = records[i].generation
+            net = memo.network_policies
+            if await ensure_group(writer, pipeline, i, generation, live, net, stopped, surge_group):
+                seen.present.add(i)
+        await ensure_pdb(writer, pipeline)
         try:
-            await ensure_pod_groups(kube, pipeline, wanted + extra)
+            await ensure_pod_groups(writer, pipeline, wanted + extra)
         except NotFound:  # the groups still run (unscheduled gangs are the scheduler's business)
             seen.unensured = (
                 "placement.gang volcano: the PodGroup API (scheduling.volcano.sh/v1beta1) is not served"
             )
-        seen.present |= set(wanted)
+        writer.finish()
+        seen.refused, seen.conflicts = writer.refused, writer.conflicts
     await _supervise(memo, pipeline, full, wanted, records, observed, by_group, entries, seen, problem)
     await _scale_down(memo, pipeline, extra, entries, wanted)
     forced = await free_stuck_pods(kube, pipeline, pods, now)
@@ -240,6 +250,14 @@ async def _scale_down(memo: Any, pipeline: dict, extra: list[int], entries: dict
     # Their PodGroups go on the next tick (ensure_pod_groups: no StatefulSet, no PodGroup).
 
 
+def _degraded_reason(problem: str, rejected: str, unensured: str) -> str:
+    if problem:
+        return "InvalidSpec"
+    if rejected:
+        return "WriteRejected"
+    return "PodGroupsUnavailable" if unensured else "GroupFailed"
+
+
 def _status(
     pipeline: dict, full: dict, status: dict, seen: Tick, problem: str, forced: int, now: float
 ) -> dict[str, Any]:
@@ -250,8 +268,9 @@ def _status(
     failed = [e["index"] for e in entries if e["phase"] == GroupPhase.FAILED.value]
     previous = {c.get("type"): c for c in status.get("conditions") or []}
     stamp = groups.rfc3339(now)
-    blocked = problem or seen.unensured
-    observed = status.get("observedGeneration") if blocked else generation
+    rejected = "; ".join(r.describe(now) for r in seen.refused)
+    blocked = problem or rejected or seen.unensured
+    observed = status.get("observedGeneration") if blocked or seen.conflicts else generation
     current = observed == generation and not blocked
     settled = (
         current
@@ -288,7 +307,7 @@ def _status(
             _condition(
                 "Degraded",
                 degraded,
-                "InvalidSpec" if problem else "PodGroupsUnavailable" if seen.unensured else "GroupFailed",
+                _degraded_reason(problem, rejected, seen.unensured),
                 why,
                 previous,
                 stamp,
