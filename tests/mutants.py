@@ -1111,6 +1111,20 @@ MUTANTS = [
         "tests/k8s/test_operator_writes.py -k preconditioned",
     ),
     (
+        "CRD: tolerations accept any object (a misspelt field reaches the StatefulSet)",
+        "operator/pipeserve_operator/corev1.py",
+        '    return generated("Toleration")',
+        '    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}',
+        "tests/k8s/test_crd.py -k 'refused_at_admission and tolerations'",
+    ),
+    (
+        "CRD: a volume keeps unknown fields (its sources undeclared)",
+        "operator/pipeserve_operator/corev1.py",
+        '    out = generated("Volume")',
+        '    out = {"type": "object", "properties": {}, "x-kubernetes-preserve-unknown-fields": True}',
+        "tests/k8s/test_crd.py -k 'whole_core_v1_type and volumes'",
+    ),
+    (
         "chart: an operator RBAC verb is missing",
         "charts/pipeserve/templates/operator-rbac.yaml",
         '    verbs: ["get", "create", "update"]\n  - apiGroups: ["scheduling.volcano.sh"]',

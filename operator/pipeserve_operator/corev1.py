@@ -2,15 +2,21 @@
 
 Written out field by field after Kubernetes' own OpenAPI (core/v1, 1.35), because the API server
 prunes every field a CRD schema does not declare: an `env` item declared as {name, value} loses its
-`valueFrom` (and the Secret it names) without an error. `x-kubernetes-preserve-unknown-fields` only
-where the real schema is open or too large to restate: a Volume's source (the API server validates it
-against the real schema when the operator creates the StatefulSet). tests/k8s/test_crd.py checks these
-against the 1.35 definitions. Names and paths carry a maxLength so that the CEL rules over them have a
-bounded cost (the API server refuses a CRD whose rules it cannot bound).
+`valueFrom` (and the Secret it names) without an error. The types too large to restate by hand
+(Volume with its every source, Toleration, Affinity) are generated from the same definitions into
+`corev1_types.json` (tests/k8s/corev1_gen.py): a misspelt or mistyped field of theirs is refused at
+admission (or pruned, never reaching a StatefulSet) instead of failing the operator's write later.
+tests/k8s/test_crd.py checks all of them against the 1.35 definitions. Names and paths carry a
+maxLength so that the CEL rules over them have a bounded cost (the API server refuses a CRD whose
+rules it cannot bound).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
+from importlib import resources
 from typing import Any
 
 STR: dict[str, Any] = {"type": "string"}
@@ -65,8 +71,28 @@ def env_from_source() -> dict[str, Any]:
     return obj({"prefix": STR, "configMapRef": ref, "secretRef": ref})
 
 
+@functools.cache
+def _generated() -> dict[str, Any]:
+    return dict(json.loads((resources.files("pipeserve_operator") / "corev1_types.json").read_text()))
+
+
+def generated(name: str) -> dict[str, Any]:
+    """The structural schema of core/v1 `name` (Volume, Toleration, Affinity), a fresh copy."""
+    return copy.deepcopy(_generated()[name])
+
+
 def volume() -> dict[str, Any]:
-    return obj({"name": {**NAME, "minLength": 1}}, ["name"], **{"x-kubernetes-preserve-unknown-fields": True})
+    out = generated("Volume")
+    out["properties"]["name"] = {**NAME, "minLength": 1}  # the CEL rule over volume names: bounded
+    return out
+
+
+def toleration() -> dict[str, Any]:
+    return generated("Toleration")
+
+
+def affinity() -> dict[str, Any]:
+    return generated("Affinity")
 
 
 def volume_mount() -> dict[str, Any]:

@@ -289,13 +289,13 @@ def test_every_pod_is_locked_down(tools: Tools, case: str) -> None:
 OPERATOR_RULES = {
     ("pipeserve.io", "inferencepipelines"): ["list", "watch", "patch"],
     ("pipeserve.io", "inferencepipelines/status"): ["patch"],
-    ("apps", "statefulsets"): ["get", "list", "create", "patch", "delete"],
-    ("", "services"): ["get", "create", "delete"],
+    ("apps", "statefulsets"): ["get", "list", "create", "update", "patch", "delete"],
+    ("", "services"): ["get", "create", "update", "delete"],
     ("", "pods"): ["list", "delete"],
-    ("policy", "poddisruptionbudgets"): ["get", "create", "patch"],
-    ("scheduling.volcano.sh", "podgroups"): ["list", "create", "patch", "delete"],
+    ("policy", "poddisruptionbudgets"): ["get", "create", "update"],
+    ("scheduling.volcano.sh", "podgroups"): ["list", "create", "update", "delete"],
     ("", "events"): ["create"],
-    ("networking.k8s.io", "networkpolicies"): ["get", "create", "delete"],  # with networkPolicy.enabled
+    ("networking.k8s.io", "networkpolicies"): ["get", "create", "update", "delete"],  # networkPolicy.enabled
     ("coordination.k8s.io", "leases"): ["get", "create", "patch"],
 }
 ROUTER_RULES = {

@@ -12,7 +12,9 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
+from crd_support import prune
 
+from pipeserve_operator import corev1
 from pipeserve_operator.crd import crd_manifest, spec_schema, with_defaults
 from pipeserve_operator.resources import SpecError, engine_args, stage_service, stage_statefulset
 
@@ -151,13 +153,24 @@ def _covers(mine: dict, ref: str, defs: dict, path: str) -> int:
     """Every field of the 1.35 definition `ref` is declared in `mine`, with its type and required list,
     recursively; returns how many fields were compared."""
     theirs = defs[ref.rsplit("/", 1)[-1]]
+    if "properties" not in theirs:  # a scalar (Time: a string) or an open type (FieldsV1): kept whole
+        if _types(theirs) - {"object"}:
+            assert _types(mine) == _types(theirs), path
+        else:
+            assert mine.get("x-kubernetes-preserve-unknown-fields") is True, path
+        return 1
     assert set(mine.get("required", [])) == set(theirs.get("required", [])), path
     compared = 0
     for name, sub in theirs["properties"].items():
         assert name in mine["properties"], f"{path}.{name} is not declared: the API server would prune it"
         own = mine["properties"][name]
+        extra = sub.get("additionalProperties")
         target = sub.get("$ref") or (sub.get("items") or {}).get("$ref")
-        if target and target.endswith("Quantity"):
+        if isinstance(extra, dict) and extra.get("$ref", "").endswith(("Quantity", "IntOrString")):
+            assert own["additionalProperties"].get("x-kubernetes-int-or-string") is True, f"{path}.{name}"
+        elif isinstance(extra, dict) and "$ref" in extra:
+            compared += _covers(own["additionalProperties"], extra["$ref"], defs, f"{path}.{name}")
+        elif target and target.endswith(("Quantity", "IntOrString")):
             assert own.get("x-kubernetes-int-or-string") is True, f"{path}.{name}"
         elif target:
             compared += _covers(own["items"] if "items" in sub else own, target, defs, f"{path}.{name}")
@@ -175,20 +188,65 @@ def _covers(mine: dict, ref: str, defs: dict, path: str) -> int:
         ("volumeMounts", "VolumeMount"),
         ("imagePullSecrets", "LocalObjectReference"),
         ("topologySpreadConstraints", "TopologySpreadConstraint"),
+        ("volumes", "Volume"),
+        ("tolerations", "Toleration"),
+        ("affinity", "Affinity"),
     ],
 )
 def test_pod_fields_declare_the_whole_core_v1_type(field: str, definition: str) -> None:
-    """The API server prunes what the schema does not declare: each list's items declare every field
-    of the Kubernetes type they stand for (env's valueFrom, and every source of it, included)."""
+    """The API server prunes what the schema does not declare: each list's items (affinity: the object)
+    declare every field of the Kubernetes type they stand for (env's valueFrom, and every source of it,
+    every volume source, included), and nothing keeps unknown fields but FieldsV1."""
     mine = spec_schema()["properties"][field]
-    assert mine["type"] == "array" and "x-kubernetes-preserve-unknown-fields" not in mine["items"]
-    assert _covers(mine["items"], f"io.k8s.api.core.v1.{definition}", _definitions(), field) >= 1
+    node = mine["items"] if mine["type"] == "array" else mine
+    assert "x-kubernetes-preserve-unknown-fields" not in node
+    assert _covers(node, f"io.k8s.api.core.v1.{definition}", _definitions(), field) >= 1
 
 
-def test_volumes_keep_their_source() -> None:
-    """A Volume's source is too large to restate: its items keep unknown fields and require a name."""
-    items = spec_schema()["properties"]["volumes"]["items"]
-    assert items["x-kubernetes-preserve-unknown-fields"] is True and items["required"] == ["name"]
+def test_the_generated_core_v1_types_are_the_generators_output() -> None:
+    from corev1_gen import render
+
+    path = Path(corev1.__file__).parent / "corev1_types.json"
+    assert path.read_text() == render(), "regenerate: python tests/k8s/corev1_gen.py > " + str(path)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tolerations", [{"key": "gpu", "operator": "Exists", "tolerationSeconds": "soon"}]),
+        ("tolerations", [{"key": "gpu", "operater": "Exists"}]),
+        ("affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}),
+        (
+            "affinity",
+            {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1}]}},
+        ),
+        ("affinity", {"nodeAfinity": {}}),
+        ("volumes", [{"name": "w", "hostPath": {"type": "Directory"}}]),
+        ("volumes", [{"name": "w", "emptyDir": {"sizeLimit": "lots"}}]),
+        ("volumes", [{"name": "w", "nsf": {"server": "nfs", "path": "/w"}}]),
+        ("volumes", [{"name": "w", "configMap": {"name": "c", "defaultMode": "0644"}}]),
+    ],
+)
+def test_a_bad_pod_field_is_refused_at_admission(field: str, value: object) -> None:
+    """A wrong type or a missing required field fails the schema; a misspelt field is unknown to it,
+    which kubectl's strict field validation (its default) refuses, and which the API server would
+    otherwise prune: either way it never reaches a StatefulSet."""
+    bad = copy.deepcopy(EXAMPLE)
+    bad["spec"][field] = value
+    errors = list(schema_validator().iter_errors(bad))
+    unknown = prune(bad["spec"], spec_schema()) != bad["spec"]
+    assert errors or unknown, (field, value)
+    good = copy.deepcopy(EXAMPLE)
+    good["spec"].update(
+        tolerations=[{"key": "gpu", "operator": "Exists", "tolerationSeconds": 30}],
+        affinity={
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+        },
+        volumes=[{"name": "w", "nfs": {"server": "nfs", "path": "/w"}, "configMap": None}],
+    )
+    del good["spec"]["volumes"][0]["configMap"]
+    schema_validator().validate(good)
+    assert prune(good["spec"], spec_schema()) == good["spec"]
 
 
 def test_pod_and_placement_defaults() -> None:

@@ -15,6 +15,7 @@ No Docker daemon runs here, so nothing is built; what can be checked without one
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -188,6 +189,18 @@ def test_the_wheel_holds_every_package() -> None:
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder).parts
             assert ".".join((name, *rel)) in listed, f"{init.parent} is not in pyproject's packages"
+
+
+def test_the_wheel_holds_the_operators_data_files() -> None:
+    """A file the operator reads at run time (corev1_types.json: the CRD's core/v1 schemas) is in the
+    wheel only when pyproject's package-data names it."""
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = conf["package-data"].get("pipeserve_operator", [])
+    folder = ROOT / conf["package-dir"]["pipeserve_operator"]
+    data = [f.name for f in folder.iterdir() if f.is_file() and f.suffix not in (".py", ".pyc")]
+    assert data, "the operator reads corev1_types.json"
+    for name in data:
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in package-data"
 
 
 # The router and operator images carry no torch, safetensors or transformers (docker/): their processes
