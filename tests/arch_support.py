@@ -53,6 +53,7 @@ EXTRA: dict[str, dict] = {
         "mlp_only_layers": [2],
     },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    "gemma": {"head_dim": 16, "tie_word_embeddings": True},
     "gemma2": {**GEMMA, "attn_logit_softcapping": 4.0},
     "gemma3_text": {
         **GEMMA,

@@ -58,6 +58,11 @@ def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("gemma"), "gemma")
+
+
+@pytest.fixture(scope="session")
 def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2")
 
@@ -69,7 +74,7 @@ def gemma3_text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # Every architecture of the registry with a checkpoint fixture above: the engine's correctness tests
 # run on each (tests/engine/test_engine_correctness.py).
-ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text"]
+ARCH_FIXTURES = ["llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text"]
 
 
 @pytest.fixture(scope="session", params=ARCH_FIXTURES)

@@ -54,11 +54,13 @@ LLAMA_CPP_ARCH = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3moe",
     "phi3": "phi3",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
 }
 PERMUTED = {"llama", "mistral", "mixtral"}  # LlamaModel.undo_permute: its q/k rows (and biases)
-GEMMA = {"gemma2", "gemma3_text"}  # their norm weights are written as 1 + w
+GEMMA = {"gemma", "gemma2", "gemma3_text"}  # their norm weights are written as 1 + w
+LOCAL_LAYERS = {"gemma2", "gemma3_text"}  # soft-caps, a window and local layers in the metadata
 
 
 def gguf_name(hf: str, model_type: str = "llama", blocks: int = 64) -> str:
@@ -143,7 +145,7 @@ def _metadata(w: gguf.GGUFWriter, cfg: dict, model_type: str) -> None:
         w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
     if model_type == "qwen3_moe":
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if model_type in GEMMA:
+    if model_type in LOCAL_LAYERS:
         if cfg.get("attn_logit_softcapping") is not None:
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         if cfg.get("final_logit_softcapping") is not None:

@@ -2186,6 +2186,27 @@ MUTANTS = [
         "        self.timeout_s = NO_DEADLINE_S",
         "tests/faults/test_partitions.py -k past_the_deadline",
     ),
+    (
+        "the pre-norm layer's norms ignore the config (gemma's 1 + w)",
+        "services/pipeserve/model/layers.py",
+        "        self.input_layernorm = make_norm(cfg, cfg.hidden_size)\n        self.self_attn = Attention(cfg, spec)",
+        "        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)\n        self.self_attn = Attention(cfg, spec)",
+        "tests/model/test_gemma.py -k gemma_1",
+    ),
+    (
+        "gemma 1: embeddings not scaled by sqrt(hidden)",
+        "services/pipeserve/model/arch/gemma.py",
+        '        "embed_scale": float(raw["hidden_size"]) ** 0.5,',
+        '        "embed_scale": None,',
+        "tests/model/test_gemma.py -k gemma_1",
+    ),
+    (
+        "GGUF: gemma 1's norms kept as llama.cpp's 1 + w",
+        "services/pipeserve/model/arch/gemma.py",
+        'gguf=GgufSpec("gemma", GGUF_BLOCK_NAMES, gguf_config, norm_shift=1.0),',
+        'gguf=GgufSpec("gemma", GGUF_BLOCK_NAMES, gguf_config, norm_shift=0.0),',
+        "tests/model/test_gguf_arch.py -k 'give_back and gemma and not gemma2 and not gemma3'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -147,3 +147,28 @@ BASE.update(num_hidden_layers=2, num_attention_heads=4, head_dim=16, sliding_win
 def test_configs_it_cannot_serve_are_clear_errors(change: dict, message: str) -> None:
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict({**BASE, **change})
+
+
+def test_gemma_1_is_the_llama_layer_with_gemmas_parts(gemma_dir: Path, tmp_path: Path) -> None:
+    """Gemma 1 (model/arch/gemma.py): (1 + w) norms in the pre-norm layer, GeGLU, scaled embeddings,
+    head_dim**-0.5, no window, tied; the releases' legacy hidden_act "gelu" read as the tanh form (as
+    GemmaConfig corrects it). Greedy ids are transformers' over chunked prefill."""
+    from pipeserve.model.layers import UnitOffsetRMSNorm
+
+    cfg = ModelConfig.from_dir(gemma_dir)
+    assert cfg.norm_unit_offset and cfg.tie_word_embeddings and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert cfg.embed_scale == 8.0 and cfg.final_logit_softcap is None and cfg.sliding_window is None
+    stage = _stage(gemma_dir)
+    assert all(isinstance(layer.input_layernorm, UnitOffsetRMSNorm) for layer in stage.layers)
+    assert {a.scale for a in _attention(gemma_dir)} == {16**-0.5} and stage.native is None
+    raw = json.loads((gemma_dir / "config.json").read_text())
+    legacy = {**raw, "hidden_act": "gelu"}
+    legacy.pop("hidden_activation", None)
+    assert ModelConfig.from_dict(legacy).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(ModelLoadError, match="unsupported hidden_act 'relu'"):
+        ModelConfig.from_dict({**legacy, "hidden_act": "relu"})
+    llm = LLM(str(gemma_dir), num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(gemma_dir, p, 24, ignore_eos=True) for p in PROMPTS
+    ]

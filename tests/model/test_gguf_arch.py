@@ -49,13 +49,15 @@ ARCHS = {
     "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3_text",
 }
 # llama.cpp scales Gemma's queries by head_dim**-0.5 (what Gemma's own configs say, but for the 27B),
 # not by query_pre_attn_scalar: the tiny checkpoints take that value so that a file can hold them.
 CONFIG = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3_text": {"query_pre_attn_scalar": 16}}
-GEMMA = ("gemma2", "gemma3_text")
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # norms stored as 1 + w
+LOCAL_LAYERS = ("gemma2", "gemma3_text")  # soft-caps, windows, query_pre_attn_scalar
 PROMPTS = random_prompts(3, 3, 24, 1024, seed=70)
 TOKENS = 12
 
@@ -108,9 +110,9 @@ def test_config_names_the_arch_and_its_fields(converted) -> None:
         moe = importlib.import_module(f"pipeserve.model.arch.{model_type}")
         assert moe.moe_spec(got) == moe.moe_spec(want)
     for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        if model_type in GEMMA:
+        if model_type in LOCAL_LAYERS:
             assert got[key] == want[key], key
-    if model_type in GEMMA:
+    if model_type in LOCAL_LAYERS:
         assert got["layer_types"] == want["layer_types"] and got["sliding_window"] == want["sliding_window"]
     if model_type == "gemma3_text":  # the global layers' base and linear scaling, the local layers' base
         assert got["rope_parameters"] == want["rope_parameters"]

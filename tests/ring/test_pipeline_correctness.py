@@ -62,7 +62,7 @@ CASES = [
     ("llama", 1),
     *[
         (arch, s)
-        for arch in ("qwen3", "phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text")
+        for arch in ("qwen3", "phi3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text")
         for s in (1, 2, 3)
     ],
 ]

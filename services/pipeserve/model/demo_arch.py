@@ -37,6 +37,7 @@ def arch_fields(spec: DemoSpec) -> dict:
         "mistral": {"sliding_window": WINDOW},
         "qwen3": {"use_sliding_window": False, "sliding_window": None, "attention_bias": False},
         "phi3": {"sliding_window": WINDOW},
+        "gemma": {"hidden_activation": "gelu_pytorch_tanh"},
         "gemma2": {**gemma, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
         "gemma3_text": {**gemma, "sliding_window_pattern": 2, "rope_local_base_freq": 10000.0},
         "qwen3_moe": {

@@ -198,33 +198,12 @@ class Attention(nn.Module):
             q, k = self._rotate(q, k, batch.cos, batch.sin)
         K.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if len(batch.decodes) == 1 and batch.num_decode == t:
-            group = batch.decodes[0]
-            out = K.paged_attention_decode(
-                q,
-                k_cache,
-                v_cache,
-                group.block_tables,
-                group.context_lens,
-                self.scale,
-                batch.workspace,
-                self.window,
-                self.softcap,
-            )
+            out = self._decode(q, k_cache, v_cache, batch.decodes[0], batch.workspace)
         else:
             out = torch.empty_like(q)
             for group in batch.decodes:
                 rows = slice(group.row, group.row + group.n)
-                out[rows] = K.paged_attention_decode(
-                    q[rows],
-                    k_cache,
-                    v_cache,
-                    group.block_tables,
-                    group.context_lens,
-                    self.scale,
-                    batch.workspace,
-                    self.window,
-                    self.softcap,
-                )
+                out[rows] = self._decode(q[rows], k_cache, v_cache, group, batch.workspace)
             for span in batch.prefills:
                 rows = slice(span.row, span.row + span.length)
                 out[rows] = K.paged_attention_prefill(
@@ -238,6 +217,27 @@ class Attention(nn.Module):
                     self.softcap,
                 )
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: DecodeGroup,
+        workspace: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q [n, H, D] of one decode group -> [n, H, D]."""
+        return K.paged_attention_decode(
+            q,
+            k_cache,
+            v_cache,
+            group.block_tables,
+            group.context_lens,
+            self.scale,
+            workspace,
+            self.window,
+            self.softcap,
+        )
 
 
 # hidden_act -> fn(gate_up [T, 2I], gate first) -> act(gate) * up [T, I]. A new activation is one
@@ -273,9 +273,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: AttentionSpec, mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attn = Attention(cfg, spec)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         # Any: the gated MLP or a module of its contract (routed experts). native_decode.py reads the
         # gated MLP's projections, only where the arch says its layer is one (arch.unsupported).
         self.mlp: Any = mlp if mlp is not None else MLP(cfg)

@@ -24,6 +24,7 @@ REGISTRY = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3_text",
     "qwen3_moe": "qwen3_moe",
