@@ -16,16 +16,20 @@ transformers (5.x, `utils/chat_template_utils.py`) gives it, so a prompt is the 
   turn), found with transformers' marker, with its errors.
 A template's own failure (`raise_exception`, a jinja error, any exception its code raises on the
 request's values) is an InvalidRequestError naming the field that fed it: a 400, never a 500.
+`reads_tools(source)`: whether a template reads the `tools` variable at all; one that does not
+drops a request's tools (the router then says so: router/tools.py `note_ignored_tools`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -106,6 +110,17 @@ def compile_template(text: str) -> jinja2.Template:
     env.globals["namespace"] = _Namespace
     env.filters["tojson"] = _tojson
     return env.from_string(text)
+
+
+@functools.lru_cache(maxsize=16)
+def reads_tools(source: str) -> bool:
+    """Whether the template's code reads `tools` anywhere (a template that does not renders a
+    request's tools nowhere: SmolLM2's, Llama 2's, most base models'); False if it does not parse."""
+    try:
+        ast = compile_template("").environment.parse(source)
+    except jinja2.TemplateError:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 
 def alias_reasoning(messages: list[dict]) -> list[dict]:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import hf_greedy, random_prompts
 from pipeserve import LLM
-from pipeserve.engine.grammar import choice_grammar
+from pipeserve.engine.grammar import JSON_MAX_WHITESPACE, choice_grammar
 from pipeserve.errors import InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.sampling_params import SamplingParams
@@ -55,10 +55,11 @@ def _oracle(path: Path, prompt: list[int], kind: str, text: str, compact: bool) 
     import xgrammar as xgr
 
     c = _compiler(str(path))
+    ws = {"any_whitespace": False} if compact else {"max_whitespace_cnt": JSON_MAX_WHITESPACE}
     if kind == "json":
-        g = c.compile_json_schema(text, any_whitespace=not compact)
+        g = c.compile_json_schema(text, **ws)
     elif kind == "json_object":
-        g = c.compile_json_schema('{"type": "object"}', any_whitespace=not compact)
+        g = c.compile_json_schema('{"type": "object"}', **ws)
     elif kind == "regex":
         g = c.compile_regex(text)
     else:

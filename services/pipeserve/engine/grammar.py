@@ -7,7 +7,10 @@ SamplingParams / SamplingSpec (the router normalizes every API spelling to them)
 * "regex"       structured = a regular expression
 * "choice"      structured = a JSON list of strings: the output is one of them, verbatim
 * "grammar"     structured = an EBNF grammar (xgrammar's GBNF dialect, `root` rule)
-`structured_compact` compiles JSON without free whitespace (vLLM's `disable_any_whitespace`).
+`structured_compact` compiles JSON without free whitespace (vLLM's `disable_any_whitespace`; the
+router sets it for forced tool calls); without it, JSON may hold whitespace between elements, at
+most JSON_MAX_WHITESPACE characters in a row (pretty-printed to a depth of 3, not a budget spent
+on spaces: vLLM's default is unbounded).
 
 Contract: `GrammarBook.compile` is deterministic and cached (bounded LRU keyed by the spec). Stage 0
 compiles before admission in a pool of killable worker processes (engine/grammar_pool.py: a queue
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 COMPILE_DEADLINE_S = 10.0
 CACHE_SIZE = 128
+JSON_MAX_WHITESPACE = 8  # characters between two JSON elements, unless compact (none)
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 VALID_SIZE = 4096  # specs known to compile (a key is their text: bounded memory)
 
@@ -58,11 +62,18 @@ def _digest(key: Key) -> bytes:
 def compile_spec(compiler: Any, kind: str, text: str, compact: bool) -> Any:
     """One spec's CompiledGrammar; raises InvalidRequestError("structured", why). `compact`: JSON
     without free whitespace (xgrammar's any_whitespace=False, vLLM's disable_any_whitespace)."""
+    # JSON's whitespace: none when compact, else any whitespace but at most JSON_MAX_WHITESPACE
+    # characters between two elements (a model cannot spend its max_tokens on spaces).
+    ws: dict[str, Any] = (
+        {"any_whitespace": False}
+        if compact
+        else {"any_whitespace": True, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+    )
     try:
         if kind == "json":
-            return compiler.compile_json_schema(text, any_whitespace=not compact, strict_mode=True)
+            return compiler.compile_json_schema(text, strict_mode=True, **ws)
         if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=not compact)
+            return compiler.compile_json_schema('{"type": "object"}', **ws)
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind == "choice":

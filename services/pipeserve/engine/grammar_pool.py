@@ -20,7 +20,8 @@ their answers. Here:
   admission needs (`mark_valid`); where it does (one stage: stage 0 samples), the worker sends the
   compiled grammar as xgrammar's JSON when it is small, else stage 0 compiles it on its own one
   grammar thread: a big grammar costs more to serialize and load (63 MB and ~7 s for the 20k
-  enum) than to compile again, and this compile was just shown to end within the budget.
+  enum) than to compile again, and this compile was just shown to end within the budget (that
+  thread is waited for within the queue deadline too).
 Frames on a worker's stdin/stdout are a 4-byte big-endian length and UTF-8 JSON: no pickle
 crosses the process boundary. A worker dies with its parent (PR_SET_PDEATHSIG).
 """
@@ -44,7 +45,9 @@ from pipeserve.errors import InvalidRequestError
 log = logging.getLogger(__name__)
 
 WORKERS = 2  # compiles at once; niced, so a compile storm yields the cores to the engine first
-QUEUE_DEADLINE_S = 30.0  # well under the router's first-message deadline (120 s)
+# Each wait (for a worker, then for stage 0's own grammar thread) ends within this: with the
+# budget's wall cap, a structured request is answered well within the router's 120 s to its first message.
+QUEUE_DEADLINE_S = 20.0
 MAX_QUEUED = 64
 START_DEADLINE_S = 120.0  # a worker imports xgrammar (torch): seconds on a busy machine
 RESPAWN_BACKOFF_S = 5.0  # after a worker that did not start
@@ -112,6 +115,7 @@ class GrammarPool:
         self._info_json = ""
         self._closed = False
         # Stage 0's own compiles (a grammar too big to send): one thread, each proven to end in budget.
+        self._local_slot = asyncio.Semaphore(1)
         self._local = ThreadPoolExecutor(1, thread_name_prefix="grammar-local", initializer=_nice_thread)
 
     async def start(self) -> int:
@@ -210,12 +214,22 @@ class GrammarPool:
         if not ship:
             self.book.mark_valid(kind, text, compact)
             return
-        loop = asyncio.get_running_loop()
-        grammar = reply.get("grammar")
-        if isinstance(grammar, str):
-            await loop.run_in_executor(self._local, self.book.put_json, kind, text, compact, grammar)
-        else:
-            await loop.run_in_executor(self._local, self.book.compile, kind, text, compact)
+        # Stage 0's own thread, one spec at a time, waited for within the queue deadline too.
+        try:
+            await asyncio.wait_for(self._local_slot.acquire(), self.queue_deadline_s)
+        except TimeoutError:
+            raise CompileBusy(
+                f"stage 0's grammar thread was not free within {self.queue_deadline_s:g} s"
+            ) from None
+        try:
+            loop = asyncio.get_running_loop()
+            grammar = reply.get("grammar")
+            if isinstance(grammar, str):
+                await loop.run_in_executor(self._local, self.book.put_json, kind, text, compact, grammar)
+            else:
+                await loop.run_in_executor(self._local, self.book.compile, kind, text, compact)
+        finally:
+            self._local_slot.release()
 
     async def _within_budget(self, worker: _Worker, msg: dict[str, Any]) -> dict[str, Any]:
         """The worker's reply, or TimeoutError once it has computed `compile_deadline_s` seconds of

@@ -24,6 +24,10 @@ exceptions (500), is answered in OpenAI's shape {"error": {"message", "type",
 client that disconnected before its response was ready, even in the middle of
 its body, is counted and logged as 499 (nothing reaches it).
 
+A handler may note warnings for the client in `request.state.warnings` (router/tools.py: tools
+the chat template drops); each is sent as a `Warning: 299 pipeserve "..."` response header, a
+header OpenAI clients ignore and a person reading the response sees.
+
 `uvicorn_server` serves with router/http_guard.py's protocol (header deadline
 and size cap) and ends open streams before the graceful-shutdown deadline.
 """
@@ -40,6 +44,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
@@ -70,6 +75,7 @@ def build_app(config: RouterConfig, replicas: ReplicaSet, registry: CollectorReg
     )
     app.state.router = router
     app.add_middleware(RequestMetrics, metrics=router.metrics)
+    app.add_middleware(WarningHeaders)
     trace.instrument(app)  # a server span per request when this process traces (router/trace.py)
     _install_error_handlers(app)
 
@@ -103,6 +109,29 @@ def build_app(config: RouterConfig, replicas: ReplicaSet, registry: CollectorReg
         return JSONResponse(app.openapi())
 
     return app
+
+
+class WarningHeaders:
+    """Adds a `Warning` header per entry of `request.state.warnings` (scope["state"]) as the
+    response starts, streamed or not."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_warnings(message: Message) -> None:
+            warnings = (scope.get("state") or {}).get("warnings")
+            if message["type"] == "http.response.start" and warnings:
+                quoted = [w.replace("\\", "\\\\").replace('"', '\\"') for w in warnings]
+                extra = [(b"warning", f'299 pipeserve "{w}"'.encode("latin-1", "replace")) for w in quoted]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_warnings)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

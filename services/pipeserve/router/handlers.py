@@ -51,7 +51,7 @@ from pipeserve.router.protocol import parse_chat, parse_completion
 from pipeserve.router.replicas import ReplicaSet
 from pipeserve.router.responses import SSE_DONE, Formatter, sse
 from pipeserve.router.serving import Choice, Generation
-from pipeserve.router.tools import ToolCallOutput, check_parser
+from pipeserve.router.tools import ToolCallOutput, check_parser, note_ignored_tools
 from pipeserve.router.trace import RequestAttributes
 from pipeserve.router.upstream import Upstream
 from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
@@ -183,6 +183,7 @@ class Router:
                     "messages",
                 )
             )
+            note_ignored_tools(request, req.tools, self.tok.chat_template)  # a Warning header
             params = self._resolve(
                 ids, req.params, "messages", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
             )

@@ -419,7 +419,7 @@ def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ChatReques
     tools = parse_tools(body)
     if (schema := forced_schema(tools)) is not None:  # enforced through guided_json, as vLLM
         body = {**body, "guided_json": schema}
-    structured = parse_structured(body)
+    structured = parse_structured(body, forced_by="tools" if schema is not None else None)
     params = _sampling(
         body, max_tokens, max_param, (top or 0) if want_logprobs else None, structured, defaults
     )

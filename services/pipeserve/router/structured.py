@@ -9,8 +9,11 @@ completions too):
 * vLLM's `structured_outputs`: {json | regex | choice | grammar | json_object: true} and
   `disable_any_whitespace` (JSON without free whitespace).
 At most one kind per request: a second one is a 400 naming it. Only the shape is checked here (the
-router never imports xgrammar): whether a schema, regex or grammar compiles is stage 0's check,
-whose error (param "structured") `rename` turns into the field the client sent.
+router never imports xgrammar), and the size (MAX_STRUCTURED_CHARS, SamplingParams' cap, named here
+by the field the client sent): whether a schema, regex or grammar compiles is stage 0's check,
+whose error (param "structured") `rename` turns into the field the client sent. A forced tool call
+(router/tools.py) is a schema the router built from `tools`: its errors name `tools`
+(`parse_structured(body, forced_by="tools")`), never a field the client did not send.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeserve.router import errors
+from pipeserve.sampling_params import MAX_STRUCTURED_CHARS
 
 _MISSING = object()
 
@@ -120,8 +124,9 @@ def _structured_outputs(v: Any) -> tuple[list[tuple[str, str, str]], bool]:
     return found, compact is True
 
 
-def parse_structured(body: dict) -> StructuredSpec | None:
-    """The request's one structured-output constraint, or None; a 400 naming the field when bad."""
+def parse_structured(body: dict, forced_by: str | None = None) -> StructuredSpec | None:
+    """The request's one structured-output constraint, or None; a 400 naming the field when bad.
+    `forced_by`: the body's guided_json is the router's schema for that field (a forced tool call)."""
     found: list[tuple[str, str, str]] = []
     compact = False
     if (v := _get(body, "response_format")) is not _MISSING:
@@ -144,6 +149,18 @@ def parse_structured(body: dict) -> StructuredSpec | None:
     if not found:
         return None
     kind, text, param = found[0]
+    if forced_by is not None and param == "guided_json":
+        param = forced_by
+        compact = True  # a forced call's JSON: no free whitespace to spend the budget on (vLLM's choice)
+    if len(text) > MAX_STRUCTURED_CHARS:
+        cap = f"more than the {MAX_STRUCTURED_CHARS} a structured output may have"
+        if param == forced_by:
+            raise errors.invalid(
+                param,
+                f"forcing a tool call (tool_choice) needs a schema of every tool's parameters: "
+                f"{len(text)} characters, {cap}; send fewer tools, or tool_choice 'auto'",
+            )
+        raise errors.invalid(param, f"has {len(text)} characters, {cap}")
     return StructuredSpec(kind, text, compact, param)
 
 

@@ -17,21 +17,32 @@ Request (`parse_tools(body)`, a 400 naming the exact field on anything ill-forme
 Messages (`message_fields`): an assistant's `tool_calls` reach the template with each
 `function.arguments` JSON string decoded to an object (vLLM, and transformers' convention); a
 `tool` message needs its `tool_call_id`.
+Tools the template drops (`note_ignored_tools`): a chat template that never reads `tools` (the
+default model's, SmolLM2's) renders the same prompt with and without them, so the model never
+sees them. The request is served (as vLLM serves it), with a `Warning: 299 pipeserve "..."`
+response header (router/app.py adds what a handler noted in `request.state.warnings`) and one log
+line per template. docs/structured.md lists which templates render tools.
 Responses (`ToolCallOutput`): `message.tool_calls` (`call_<hex>` ids, or the parser's form:
 mistral's 9 alphanumerics; arguments as a JSON string), `content` null when only calls were
 made, `finish_reason` `tool_calls` when a call was made under auto/required (a named function
 keeps the engine's reason, as vLLM); streamed, each call's first delta entry carries index, id,
-type and name, then argument pieces follow.
+type and name, then argument pieces follow. Cut by the length limit (`max_tokens`), a choice's
+`finish_reason` is `length` (vLLM says tool_calls only when the engine stopped), and the blocking
+message leaves out the call that was cut (its arguments, not JSON, are no call to make; the calls
+completed before it stay). The streamed pieces of a cut call were sent before the cut was known:
+its last chunk says `length`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from pipeserve.chat_template import reads_tools
 from pipeserve.router import errors
 from pipeserve.router.tool_parsers import (
     PARSERS,
@@ -42,6 +53,8 @@ from pipeserve.router.tool_parsers import (
     RequiredParser,
     ToolParser,
 )
+
+log = logging.getLogger("pipeserve.router")
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
@@ -166,6 +179,24 @@ def parse_tools(body: dict) -> ToolsSpec:
     return spec
 
 
+_warned_templates: set[int] = set()
+TOOLS_IGNORED = "the chat template does not render tools: the model does not see the request's tools"
+
+
+def note_ignored_tools(request: Any, spec: ToolsSpec, template: str | None) -> None:
+    """Warn (a response header, a log line once per template) when `spec`'s tools reach a template
+    that never reads them. `request`: the Starlette request (its `state.warnings`)."""
+    if not spec.tools or template is None or reads_tools(template):
+        return
+    warnings = getattr(request.state, "warnings", None)
+    if warnings is None:
+        warnings = request.state.warnings = []
+    warnings.append(TOOLS_IGNORED)
+    if hash(template) not in _warned_templates:
+        _warned_templates.add(hash(template))
+        log.warning("%s (served anyway; docs/structured.md names templates that render tools)", TOOLS_IGNORED)
+
+
 def check_parser(spec: ToolsSpec, parser: str | None) -> None:
     """`auto` parses the model's own calls: it needs a parser (as vLLM's --tool-call-parser)."""
     if spec.choice == "auto" and parser is None:
@@ -246,6 +277,14 @@ def message_fields(param: str, m: dict) -> dict:
     return out
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 class ToolCallOutput:
     """Turns a chat choice's text into content and tool calls (one parser per choice)."""
 
@@ -268,7 +307,9 @@ class ToolCallOutput:
         return PARSERS[self.parser]()
 
     def _finish(self, p: ToolParser, finish_reason: str | None) -> str | None:
-        if finish_reason is not None and p.calls and self.spec.choice in ("auto", "required"):
+        # A call the length limit cut is no finished call: "length" stays (vLLM: tool_calls only
+        # when the engine stopped), whatever the calls before it.
+        if finish_reason not in (None, "length") and p.calls and self.spec.choice in ("auto", "required"):
             return "tool_calls"
         return finish_reason
 
@@ -315,6 +356,8 @@ class ToolCallOutput:
                 calls.append({"id": self.new_id(), "type": "function", "function": fn})
             elif isinstance(e, CallArgs):
                 calls[e.index]["function"]["arguments"] += e.text
+        if finish_reason == "length" and calls and not _is_json(calls[-1]["function"]["arguments"]):
+            calls.pop()  # cut by max_tokens: its arguments are a prefix, not a call to make
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls
