@@ -17,6 +17,18 @@ from pipeserve.engine.plan import StepPlan
 from pipeserve.model.demo import DemoSpec, write_demo_model
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's fixtures that offer `failure_report()` (tests/faults' cluster: every process's
+    log) add it to the failure's report."""
+    rep = yield
+    if rep.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            if callable(report := getattr(value, "failure_report", None)):
+                rep.sections.append((f"{name}: failure_report()", report()))
+    return rep
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _flight_dumps_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory):
     """Group stops in tests write flight dumps (obs/flight.py): into this session's temp dir, not

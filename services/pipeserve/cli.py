@@ -167,7 +167,14 @@ def _stage(args: argparse.Namespace) -> NoReturn:
     run_stage(
         config,
         serve,
-        Rendezvous(args.rank, args.world_size, args.master_addr, args.master_port, args.rendezvous_file),
+        Rendezvous(
+            args.rank,
+            args.world_size,
+            args.master_addr,
+            args.master_port,
+            args.rendezvous_file,
+            host=serve.host,  # gloo binds there when it names this machine (ring/group.py)
+        ),
     )
 
 

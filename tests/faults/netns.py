@@ -9,8 +9,15 @@ with its own address on a bridge in the root namespace, like pods on separate no
 `run` is claimed by creating the bridge psb<run> (an atomic `ip link add`), so parallel runs never
 share names or subnets. Every process is started with `ip netns exec` (which execs: the Popen's pid is
 the process itself) and reaped at `close()`, which asserts nothing is left: no namespace, no link, no
-process. Faults: `link(host, up=False)` (partition), `slow(host, kbit)` (tbf both ways),
-`freeze(host)` / `thaw(host)` (SIGSTOP/SIGCONT every process in the namespace).
+process. Each host's /etc/hosts (/etc/netns/NS/hosts) names every host `<name>.pipeserve`, like a
+cluster's DNS, and maps the machine's hostname to 127.0.1.1 as Debian does: a process that binds to
+what the hostname resolves to is not reachable from another host (the product binds to --host).
+
+Faults: `link(host, up=False)` (partition from everyone), `cut(src, dst)` (src's packets to dst
+dropped: one way; both ways with two calls; htb + u32 filter into a class whose pfifo holds 0
+packets, since this kernel has neither netem nor tc actions), `slow(host, kbit)` (tbf both ways),
+`freeze(host)` / `thaw(host)` (SIGSTOP/SIGCONT every process in the namespace), `readdress(host)`
+(the host comes back with a new address; every hosts file follows, as DNS would).
 """
 
 from __future__ import annotations
@@ -58,12 +65,15 @@ class Hosts:
         self.ns: dict[str, str] = {}
         self.veth: dict[str, str] = {}  # host -> its veth's root-side name
         self.procs: list[subprocess.Popen] = []
+        self.spawned: dict[str, list[subprocess.Popen]] = {}  # host -> what spawn() started there
+        self.cuts: dict[str, set[str]] = {}  # host -> the hosts its packets to are dropped
         self.front_addr: str | None = None
         try:
             sh("ip", "addr", "add", f"10.77.{self.run}.254/24", "dev", self.bridge)
             sh("ip", "link", "set", self.bridge, "up")
             for k, name in enumerate(names):
                 self._add_host(k, name)
+            self._write_hosts_files()
             if front is not None:
                 self._add_front(front)
         except BaseException:
@@ -81,11 +91,7 @@ class Hosts:
         ns, veth, addr = f"psf{self.run}-{name}", f"pv{self.run}n{k}", f"10.77.{self.run}.{k + 1}"
         sh("ip", "netns", "add", ns)
         self.ns[name] = ns
-        # `ip netns exec` bind-mounts /etc/netns/NS/* over /etc: this host's hostname resolves to its
-        # own address, as a pod's does (gloo's default device binds to what the hostname resolves to)
-        etc = ETC_NETNS / ns
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
+        (ETC_NETNS / ns).mkdir(parents=True, exist_ok=True)  # its hosts file: _write_hosts_files
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         self.veth[name] = veth
         sh("ip", "link", "set", veth, "master", self.bridge, "up")
@@ -93,6 +99,14 @@ class Hosts:
         self.exec_ok(name, "ip", "link", "set", "eth0", "up")
         self.exec_ok(name, "ip", "link", "set", "lo", "up")
         self.addr[name] = addr
+
+    def _write_hosts_files(self) -> None:
+        """`ip netns exec` bind-mounts /etc/netns/NS/hosts over /etc/hosts. Written in place (same
+        inode), so a rewrite reaches processes already running, as a DNS update would."""
+        names = "".join(f"{a} {h}.pipeserve\n" for h, a in self.addr.items())
+        for ns in self.ns.values():
+            with open(ETC_NETNS / ns / "hosts", "w") as f:
+                f.write(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n{names}")
 
     def _add_front(self, name: str) -> None:
         veth = f"pf{self.run}"
@@ -121,7 +135,13 @@ class Hosts:
                 stderr=subprocess.STDOUT,
             )
         self.procs.append(p)
+        self.spawned.setdefault(host, []).append(p)
         return p
+
+    def exited(self, host: str) -> bool:
+        """Every process spawn() started on `host` has exited. (Not `pids`: right after spawn, the
+        `ip netns exec` child may not have entered the namespace yet.)"""
+        return all(p.poll() is not None for p in self.spawned.get(host, []))
 
     def pids(self, host: str) -> list[int]:
         out = sh("ip", "netns", "pids", self.ns[host], check=False).stdout
@@ -132,9 +152,40 @@ class Hosts:
         """Cut (or heal) `host`'s back link: both directions, everything but the front link."""
         sh("ip", "link", "set", self.veth[host], "up" if up else "down")
 
+    def cut(self, src: str, dst: str, cut: bool = True) -> None:
+        """Drop (cut=False: deliver again) every IP packet `src` sends to `dst`: one way. On src's
+        eth0: htb whose default class passes all, a class whose pfifo holds 0 packets, and a u32
+        filter per cut destination into it."""
+        dev, cuts = ("ip", "netns", "exec", self.ns[src], "tc"), self.cuts.setdefault(src, set())
+        if not cuts and cut:
+            sh(*dev, "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+            for cls, rate in (("1:1", "100gbit"), ("1:2", "8bit")):
+                sh(*dev, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb", "rate", rate)
+            sh(*dev, "qdisc", "add", "dev", "eth0", "parent", "1:2", "pfifo", "limit", "0")
+        (cuts.add if cut else cuts.discard)(dst)
+        sh(*dev, "filter", "del", "dev", "eth0", "parent", "1:", check=False)
+        for d in sorted(cuts):
+            sh(*dev, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+               "match", "ip", "dst", f"{self.addr[d]}/32", "flowid", "1:2")  # fmt: skip
+        if not cuts:
+            sh(*dev, "qdisc", "del", "dev", "eth0", "root", check=False)
+
+    def readdress(self, host: str) -> str:
+        """`host` comes back with a new address (its processes should be gone: a new node); every
+        host's hosts file names it there. Returns the new address."""
+        assert not self.cuts.get(host), "heal the cuts before readdressing"
+        old = self.addr[host]
+        new = f"10.77.{self.run}.{int(old.rsplit('.', 1)[1]) + 100}"
+        self.exec_ok(host, "ip", "addr", "flush", "dev", "eth0")
+        self.exec_ok(host, "ip", "addr", "add", f"{new}/24", "dev", "eth0")
+        self.addr[host] = new
+        self._write_hosts_files()
+        return new
+
     def slow(self, host: str, kbit: int | None) -> None:
         """Rate-limit `host`'s back link both ways with tbf (queueing delay up to ~200 ms of data);
         None removes it."""
+        assert not self.cuts.get(host), "a cut and a rate on one link: heal the cuts first"
         sides = [("ip", "netns", "exec", self.ns[host], "tc"), ("tc",)]
         devs = ["eth0", self.veth[host]]
         for prefix, dev in zip(sides, devs, strict=True):
@@ -146,10 +197,22 @@ class Hosts:
                 sh(*prefix, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{kbit}kbit",
                    "burst", str(burst), "limit", str(limit))  # fmt: skip
 
+    def heal_all(self) -> None:
+        """Every fault undone: links up, cuts and rates removed, every process running."""
+        for host in self.ns:
+            self.link(host, up=True)
+            for dst in list(self.cuts.get(host, ())):
+                self.cut(host, dst, cut=False)
+            self.slow(host, None)
+            self.thaw(host)
+
     def freeze(self, host: str, sig: int = signal.SIGSTOP) -> list[int]:
         pids = self.pids(host)
         for pid in pids:
-            os.kill(pid, sig)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:  # exited meanwhile
+                pass
         return pids
 
     def thaw(self, host: str) -> list[int]:

@@ -2,9 +2,13 @@
 
 Rendezvous is either TCP (MASTER_ADDR:MASTER_PORT, stage 0 hosts the store —
 what a Kubernetes group uses) or a file (the local launcher: no listening
-store, and gloo bound to 127.0.0.1). Every stage loads its weights and sizes
-its KV pool before joining, so the congruence exchange compares what each
-stage actually holds:
+store, and gloo bound to 127.0.0.1). Over TCP, gloo binds to (and announces to
+its peers) the stage's own address, `--host`, when that names one; on a
+wildcard (0.0.0.0: a pod's) or a loopback (the default 127.0.0.1) it takes what
+the hostname resolves to: the pod's address in Kubernetes, but loopback
+(127.0.1.1) on many machines. Every stage loads its weights and sizes its KV
+pool before joining, so the congruence exchange compares what each stage
+actually holds:
 
   model fingerprint, layer split, block size, max_model_len, dtype  must be equal
   KV blocks                                                         group minimum
@@ -15,6 +19,7 @@ stages see all identities, so all of them stop with the same line.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +43,7 @@ class Rendezvous:
     master_addr: str | None = None
     master_port: int | None = None
     file: str | None = None  # a FileStore path instead of TCP
+    host: str | None = None  # the stage's --host: gloo's address over TCP if it names one (module doc)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -57,13 +63,24 @@ class CommGroup(Protocol):
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> dist.Work: ...
 
 
+def _own_address(host: str | None) -> str | None:
+    """`host` when it is this machine's address on a network, else None (the hostname's)."""
+    if not host:
+        return None
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host  # a name: gloo resolves it
+    return None if ip.is_unspecified or ip.is_loopback else host
+
+
 def join(rdzv: Rendezvous, timeout_s: float) -> tuple[CommGroup, dist.Store]:
     """Connect to every other stage; returns the gloo group and the store."""
     timeout = timedelta(seconds=timeout_s)
     if rdzv.file is not None:
         store: dist.Store = dist.FileStore(rdzv.file, rdzv.world_size)
         store.set_timeout(timeout)
-        gloo_host = "127.0.0.1"
+        gloo_host: str | None = "127.0.0.1"
     else:
         if rdzv.master_addr is None or rdzv.master_port is None:  # Rendezvous refuses this; for the reader
             raise ConfigError("rendezvous: master_addr and master_port are needed without a file")
@@ -75,7 +92,7 @@ def join(rdzv: Rendezvous, timeout_s: float) -> tuple[CommGroup, dist.Store]:
             timeout=timeout,
             wait_for_workers=False,
         )
-        gloo_host = None
+        gloo_host = _own_address(rdzv.host)
     store.set(f"joined/{rdzv.rank}", "1")
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     opts._timeout = timeout
