@@ -1111,6 +1111,42 @@ MUTANTS = [
         "tests/k8s/test_operator_writes.py -k preconditioned",
     ),
     (
+        "operator: a refused write is retried every tick (no backoff)",
+        "operator/pipeserve_operator/writes.py",
+        "        refusal.retry_at = self.now + backoff(failures)",
+        "        refusal.retry_at = self.now",
+        "tests/k8s/test_operator_refusals.py",
+    ),
+    (
+        "operator: a refused write is not in the status (Degraded says nothing)",
+        "operator/pipeserve_operator/supervise.py",
+        '    rejected = "; ".join(r.describe(now) for r in seen.refused)',
+        '    rejected = ""',
+        "tests/k8s/test_operator_refusals.py",
+    ),
+    (
+        "operator: a refused write aborts the tick (the other groups wait for it)",
+        "operator/pipeserve_operator/writes.py",
+        "        except Rejected as e:\n            await self._refused(key, digest, e, held)\n",
+        "        except Rejected:\n            raise\n",
+        "tests/k8s/test_operator_refusals.py",
+    ),
+    (
+        "operator: a refused write posts no Event",
+        "operator/pipeserve_operator/writes.py",
+        '        await post_event(self.kube, self.pipeline, "Warning", "WriteRejected", '
+        "refusal.describe(self.now))",
+        "        pass",
+        "tests/k8s/test_operator_refusals.py",
+    ),
+    (
+        "operator: a fixed spec waits out the old rendering's backoff",
+        "operator/pipeserve_operator/writes.py",
+        "        if held is not None and held.digest == digest and self.now < held.retry_at:",
+        "        if held is not None and self.now < held.retry_at:",
+        "tests/k8s/test_operator_refusals.py",
+    ),
+    (
         "CRD: tolerations accept any object (a misspelt field reaches the StatefulSet)",
         "operator/pipeserve_operator/corev1.py",
         '    return generated("Toleration")',

@@ -11,7 +11,8 @@ kmock stores objects and merges every PATCH into them; it knows neither resource
 * A PATCH that names `metadata.resourceVersion` is preconditioned on it the same way (409).
 * `reject[(resource, name)] = (status, message)`: every write of that object (create, patch, replace)
   is refused with that status and an apimachinery `Status` body (reason `Invalid` for 422), as an
-  admission webhook or a validation the operator did not foresee would; reads still answer.
+  admission webhook or a validation the operator did not foresee would; reads still answer. Each
+  refusal is logged in `refused` as (loop time, HTTP method, name).
 
 Objects a test puts into `objects` directly keep the resourceVersion they were given (or none): a
 replace that names it (or none) still matches.
@@ -19,6 +20,7 @@ replace that names it (or none) still matches.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 from typing import Any
@@ -34,6 +36,7 @@ REASONS = {400: "BadRequest", 403: "Forbidden", 409: "Conflict", 422: "Invalid"}
 @attrs.define(kw_only=True)
 class ApiServer(k8s.KubernetesEmulator):
     reject: dict[tuple[str, str], tuple[int, str]] = attrs.field(factory=dict)
+    refused: list[tuple[float, str, str]] = attrs.field(factory=list)
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
 
     def _next_version(self) -> str:
@@ -47,6 +50,7 @@ class ApiServer(k8s.KubernetesEmulator):
             if request.resource == kmock.resource(resource) and name == rejected:
                 kind = request.resource.plural
                 details = {"name": name, "kind": kind, "causes": [{"message": message}]}
+                self.refused.append((asyncio.get_running_loop().time(), str(request.method.value), name))
                 return k8s.KubernetesError(
                     status=status, reason=REASONS.get(status, "BadRequest"), message=message, details=details
                 )
