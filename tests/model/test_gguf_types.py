@@ -6,7 +6,9 @@ One GGUF file holds a [24, 512] tensor of every block type, written by the proje
 * the int4 form (Q4_0, Q4_1, Q4_K): the blocks' own scale/min give gguf's values bit for bit, and
   the served weight differs only by rounding scale and zero to bfloat16 (the kernel's type);
 * the served projection computes x @ W^T with the weight it claims, at decode and prefill row
-  counts (x rounded to int16 per 32 by the kernels: 1e-3 of the largest output);
+  counts (x rounded to int16 per 32 by the kernels: 1e-3 of the largest output), and so does each
+  8-bit form on the native kernels built for every x86 level this CPU runs (AVX-512 VNNI's
+  vnni.c, AVX2's int16 path, the float tiles without AVX2), K with a tail past 512 and 64;
 * without the native kernels (PIPESERVE_KERNELS=torch) the 8-bit forms dequantize per call into
   torch's product, said once (CUDA: tests/kernels/test_triton_quant.py).
 A file with a type outside the served ones is refused before anything is written, naming the
@@ -16,6 +18,7 @@ type and the supported ones (the CLI: exit 2, no traceback).
 from __future__ import annotations
 
 import logging
+import platform
 from pathlib import Path
 
 import gguf
@@ -39,6 +42,7 @@ from pipeserve.model.gguf_types import (
     read_blocks,
 )
 from pipeserve.model.quant import Int4Linear, Q8Linear, native_kernels
+from pipeserve_kernels import native
 
 N, K = 24, 512
 
@@ -105,6 +109,76 @@ def test_served_projection_computes_with_that_weight(tensors, qtype: str, rows: 
     want = x @ module.dequantized().t()
     got = module(x)
     assert (got - want).abs().max().item() <= 1e-3 * want.abs().max().item()
+
+
+# x86 levels other than this CPU's (gcc -march) and the CPU flags each needs to run here, as
+# tests/kernels/test_native.py builds them: AVX-512 without VNNI and AVX2 alone take dense.c's int16
+# path, x86-64-v2 the float tiles; this CPU's own build (AVX-512 VNNI here) takes vnni.c.
+LEVELS = {
+    "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx2", "fma", "f16c"},
+    "haswell": {"avx2", "fma", "f16c", "bmi2"},
+    "x86-64-v2": {"sse4_2", "popcnt"},
+}
+
+
+@pytest.fixture(scope="module", params=["native", *LEVELS])
+def level_kernels(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> native.Native:
+    if native_kernels() is None:
+        pytest.skip("no C compiler: no native kernels")
+    if request.param == "native":
+        return native_kernels()
+    flags = set()
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+    if platform.machine() not in ("x86_64", "AMD64") or not LEVELS[request.param] <= flags:
+        pytest.skip(f"this CPU cannot run code built for {request.param}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPESERVE_HOME", str(tmp_path_factory.mktemp(request.param)))
+        return native.Native(native.build(native.find_compiler(), request.param))
+
+
+# K per 8-bit form: vnni.c takes 16 blocks of 32 at a time and Q6_K 256 at a time, so each K leaves a
+# tail: 1280 (K-quants: 40 blocks, 5 super-blocks) and 1312 (41 blocks: an odd one, half a vector).
+WIDE_K = {"Q5_K": 1280, "Q6_K": 1280, "Q8_0": 1312, "Q5_0": 1312, "Q5_1": 1312}
+
+
+@pytest.fixture(scope="module")
+def wide_tensors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Each 8-bit form's type over [40, WIDE_K] (40 rows: dense.c's tasks of 16 and a tail)."""
+    w = np.random.default_rng(5).standard_normal((40, 1312)).astype(np.float32) * 0.03
+    w[:, 1200:] *= 20.0  # one region far larger: scales differ along the row
+    path = tmp_path_factory.mktemp("wide") / "wide.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for name in Q8_TYPES:
+        wk = np.ascontiguousarray(w[:, : WIDE_K[name]])
+        writer.add_tensor(name, gguf_tensor(wk, Q[name]), raw_dtype=Q[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13])
+@pytest.mark.parametrize("qtype", Q8_TYPES)
+def test_8_bit_forms_compute_on_every_level(wide_tensors, level_kernels, qtype: str, rows: int) -> None:
+    """The projection against float64 x @ W^T over gguf's values: within the bound x's rounding
+    per 32 implies, |err| <= sum_k |w| max|x block| / 65278 (int16 steps; float tiles: exact)."""
+    t, k = wide_tensors[qtype], WIDE_K[qtype]
+    want_w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(40, k)
+    module = _served(qtype, read_blocks(t))
+    module._kernels = level_kernels
+    assert torch.equal(module.dequantized(), want_w)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    x[0, 64:96] *= 100.0  # one block of x far larger than the rest: x's scales are per block
+    got = module(x).double()
+    ref = x.double() @ want_w.double().t()
+    block_max = x.abs().reshape(rows, -1, 32).amax(dim=2).repeat_interleave(32, dim=1).double()
+    bound = (block_max / 65278) @ want_w.abs().double().t() + 1e-5 * ref.abs().max()
+    assert bool(((got - ref).abs() <= bound).all()), ((got - ref).abs() / bound).max().item()
 
 
 @pytest.mark.parametrize("qtype", Q8_TYPES)

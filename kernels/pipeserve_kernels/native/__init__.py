@@ -1,4 +1,4 @@
-"""The native CPU kernels (common.c, q4.c, dense.c, decode.c), compiled at first use by the C compiler.
+"""The native CPU kernels (common.c, q4.c, dense.c, decode.c, prefill.c, vnni.c), compiled at first use.
 
 Why native: a decode step of a small quantized model is op-call bound in PyTorch (~200 ATen calls
 per layer, most of them views and casts; benchmarks/RESULTS.md, issue 22), while its weights are
