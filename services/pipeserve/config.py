@@ -86,6 +86,15 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step (one microbatch)
+    # The step pace (engine/fairness.py): prompts and prompt scoring are chunked so a step is predicted
+    # to take at most this (measured on the stages); decodes always run. 0: the token budget alone.
+    step_target_ms: float = field(
+        default=250.0,
+        metadata={
+            "help": "chunk prompts and prompt scoring so one step is predicted to take at most this many "
+            "ms (decodes always run): a long prompt never holds the batch; 0: the token budget alone",
+        },
+    )
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit pool size (tests); wins over kv_cache_gb
     kv_cache_gb: float | None = None  # None: sized by the engine's limits, capped by memory (kv_cache.py)
@@ -158,6 +167,7 @@ class EngineConfig:
         )
         need(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        need(self.step_target_ms >= 0, "step_target_ms", "must be >= 0 (0: no step pace)")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         need(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0")

@@ -82,6 +82,7 @@ class LLMEngine:
                 config.hicache_write_mb_s * 1e6,
                 int(config.hicache_write_buffer_mb * (1 << 20)),
             ),
+            config.step_target_ms / 1000 if config.step_target_ms > 0 else None,
         )
         self._ids = itertools.count()
         self._inflight: deque[StepPlan] = deque()

@@ -24,13 +24,14 @@ over the microbatches instead of making one of them heavy.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
+from pipeserve.engine.fairness import StepPace, fair_order, family, plan_cost, water_fill
 from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import (
     BlockCopy,
@@ -67,8 +68,11 @@ class Scheduler:
         num_stages: int = 1,
         l3: L3Directory | None = None,
         writes: WriteSettings | None = None,
+        step_target_s: float | None = None,
     ) -> None:
+        """`step_target_s`: the step pace's target (engine/fairness.py); None: the token budget alone."""
         self.bm = block_manager
+        self.pace = StepPace(step_target_s)
         self.fetch = PrefixFetch(block_manager, num_stages, l3, writes)
         if self.fetch.writes is not None:  # a block ordered stored but not sent yet goes before reuse
             block_manager.reuse_hook = self.fetch.writes.reused
@@ -108,39 +112,29 @@ class Scheduler:
         new_reqs: list[NewRequest] = []
         l2_loads: list[BlockCopy] = []
         l3_loads: list[LoadOrder] = []
-        preempted = False
         self.fetch.take_probe_answers(self.requests)
-
-        for req in list(self.running):
-            if budget == 0:
-                break
-            if req.num_scheduled == req.num_tokens or req.status is not RequestStatus.RUNNING:
-                continue  # its next token is being computed
-            n = min(req.num_tokens - req.num_scheduled, budget)
-            need = self.bm.blocks_needed(req.num_scheduled + n) - len(req.block_ids)
-            while not self.bm.can_allocate(need):
-                victim = self._preemptable_victim()
-                if victim is None:
-                    break
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING or not self.bm.can_allocate(need):
-                continue
-            new_blocks = self.bm.allocate(need)
-            req.block_ids += new_blocks
-            chunks.append(self._chunk(req, n, new_blocks))
-            budget -= n
-
-        if not preempted:
+        # Decodes first (one token each), then the prompt share (engine/fairness.py): the step
+        # pace's limit, split max-min fairly between running prompts and the admissible waiting.
+        decoding = [r for r in self.running if self._wants(r) == 1]
+        budget, preempted = self._schedule_running(decoding, budget, chunks)
+        share = self.pace.prompt_share(len(chunks))
+        prompt = budget if share is None else min(budget, share)
+        prompts = [r for r in self.running if self._wants(r) > 1]
+        seats = max(0, self.max_num_seqs - len(self.running))
+        admissible = [r for r in self.waiting if r.fetch not in (Fetch.PROBING, Fetch.LOADING)]
+        needs = [_cost(r, self._wants(r)) for r in prompts] + [
+            _cost(r, r.num_tokens) for r in admissible[: max(seats, 1)]
+        ]
+        cap = water_fill(needs, prompt)
+        left, preempted_now = self._schedule_running(prompts, prompt, chunks, cap)
+        if not (preempted or preempted_now):
             probes = self.fetch.stats.probes
-            budget = self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
+            spent = left - self._admit_waiting(left, cap, chunks, new_reqs, l2_loads, l3_loads)
             # A probe is answered within a Redis round trip: wait for those just asked (bounded)
             # rather than leave their requests a whole step behind.
             asked = self.fetch.stats.probes > probes
-            if asked and budget > 0 and self.fetch.await_probes(self.requests, PROBE_WAIT_S):
-                self._admit_waiting(budget, chunks, new_reqs, l2_loads, l3_loads)
+            if asked and left > spent and self.fetch.await_probes(self.requests, PROBE_WAIT_S):
+                self._admit_waiting(left - spent, cap, chunks, new_reqs, l2_loads, l3_loads)
 
         now = time.monotonic()
         plan = StepPlan(
@@ -166,23 +160,61 @@ class Scheduler:
         self._inflight_tokens += plan.num_tokens
         return seal(plan)
 
+    def _schedule_running(
+        self, reqs: list[Request], budget: int, chunks: list[ScheduledChunk], cap: int | None = None
+    ) -> tuple[int, bool]:
+        """A chunk for each of `reqs` (oldest first) within `budget` and, per request, `cap` cost
+        units; when the pool is short the newest running request is preempted, repeatedly.
+        Returns (budget left, whether a request was preempted)."""
+        preempted = False
+        for req in reqs:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or not self._wants(req):
+                continue  # preempted in this step, or its next token is being computed
+            n = _tokens_for(req, self._wants(req), min(budget, cap or budget))
+            need = self.bm.blocks_needed(req.num_scheduled + n) - len(req.block_ids)
+            while not self.bm.can_allocate(need):
+                victim = self._preemptable_victim()
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING or not self.bm.can_allocate(need):
+                continue
+            new_blocks = self.bm.allocate(need)
+            req.block_ids += new_blocks
+            chunks.append(chunk := self._chunk(req, n, new_blocks))
+            budget -= len(chunk.token_ids) + chunk.score_rows
+        return budget, preempted
+
+    def _wants(self, req: Request) -> int:
+        """Tokens `req` could be scheduled now (0: its next token is being computed)."""
+        return req.num_tokens - req.num_scheduled
+
     def _admit_waiting(
         self,
         budget: int,
+        cap: int,
         chunks: list[ScheduledChunk],
         new_reqs: list[NewRequest],
         l2_loads: list[BlockCopy],
         l3_loads: list[LoadOrder],
     ) -> int:
-        """Admit waiting requests in arrival order, each after its longest prefix in L1, then L2;
-        a request L3 may hold more of is probed and loaded first (it waits, the others go on).
-        Returns the budget left."""
+        """Admit waiting requests round-robin by family (engine/fairness.py), each after its
+        longest prefix in L1, then L2, its first chunk at most `cap` cost units; a request L3
+        may hold more of is probed and loaded first (it waits, the others go on). Returns the
+        budget left."""
         bs = self.bm.block_size
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[i]
-            if req.fetch in (Fetch.PROBING, Fetch.LOADING):
-                i += 1
+        seats = Counter(family(r.req_id) for r in self.running)
+        queue = list(self.waiting)
+        for i in fair_order([r.req_id for r in queue], seats):
+            req = queue[i]
+            if budget <= 0:
+                break
+            if req.fetch in (Fetch.PROBING, Fetch.LOADING) or not self._take_seat(req, seats):
                 continue
             tokens = req.all_token_ids
             hits, prev = self.bm.match_prefix(tokens)
@@ -195,21 +227,20 @@ class Scheduler:
                 req.fetch = Fetch.DONE
                 if k < limit:
                     self.fetch.probe(req, k, chain_hashes(tokens, bs, k, limit, l2[-1][1] if l2 else prev))
-                    i += 1
                     continue
             if req.fetch is Fetch.PROBED:
                 req.fetch = Fetch.DONE
                 if k < req.l3_end:
                     if not self.fetch.order_load(req, hits, l2, prev, l2_loads, l3_loads):
-                        return budget  # no room: later requests wait too (arrival order)
-                    i += 1
+                        return budget  # no room: later requests wait too
                     continue
             start = k * bs
-            n = min(len(tokens) - start, budget)
+            n = _tokens_for(req, len(tokens) - start, min(budget, cap))
             need = self.bm.blocks_needed(start + n) - len(hits)
             if not self.bm.can_allocate(need, hits):
                 return budget
-            del self.waiting[i]
+            self.waiting.remove(req)
+            seats[family(req.req_id)] += 1
             self.bm.take_cached(hits)
             new = self.bm.allocate(need)
             self.fetch.load_from_host(tokens, len(hits), new, l2, l2_loads)
@@ -227,9 +258,23 @@ class Scheduler:
             history = tokens[:start] if needs_history(spec) else []
             new_reqs.append(NewRequest(req.req_id, spec, replay, history))
             req.in_executors = True
-            chunks.append(self._chunk(req, n, list(req.block_ids)))
-            budget -= n
+            chunks.append(chunk := self._chunk(req, n, list(req.block_ids)))
+            budget -= len(chunk.token_ids) + chunk.score_rows
         return budget
+
+    def _take_seat(self, req: Request, seats: Counter[str]) -> bool:
+        """Whether `req` may run now: a free seat (max_num_seqs), or one taken by preemption from
+        the family holding the most seats when req's family holds two fewer (engine/fairness.py)."""
+        if len(self.running) < self.max_num_seqs:
+            return True
+        mine = seats[family(req.req_id)]
+        for victim in reversed(self.running):  # the newest request of the largest family
+            f = family(victim.req_id)
+            if seats[f] >= mine + 2 and seats[f] == max(seats.values()) and victim.num_inflight == 0:
+                self._preempt(victim)
+                seats[f] -= 1
+                return True
+        return False
 
     def _traces(self, new_reqs: list[NewRequest]) -> dict[str, str] | UnsetType:
         """Trace context of the sampled requests entering the executors (UNSET: none, bytes unchanged)."""
@@ -313,6 +358,7 @@ class Scheduler:
         finished: list[Request] = []
         self._inflight_tokens -= plan.num_tokens
         self._polls -= plan.poll
+        self.pace.observe(plan_cost(plan), output.reports)
         self.fetch.note_lost(sum(r.l3_lost for r in output.reports))
         for report in output.reports:
             for ack in report.loads:
@@ -398,3 +444,14 @@ class Scheduler:
         if req.in_executors:
             self._freed.append(req.req_id)
             req.in_executors = False
+
+
+def _tokens_for(req: Request, wants: int, allowance: int) -> int:
+    """Tokens of req's next chunk within `allowance` cost units (a scored prompt token costs 2)."""
+    per = 2 if req.params.prompt_logprobs is not None and req.num_scheduled < len(req.prompt_token_ids) else 1
+    return max(1, min(wants, allowance // per))
+
+
+def _cost(req: Request, tokens: int) -> int:
+    """Cost units of `tokens` more of req (each prompt token it scores counts twice)."""
+    return 2 * tokens if req.params.prompt_logprobs is not None else tokens

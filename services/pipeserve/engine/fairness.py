@@ -1,0 +1,108 @@
+"""Fair shares of a step (stage 0's scheduler): one client cannot slow the others (issue 29).
+
+Three rules, each the scheduler's (engine/scheduler.py) and so decided on stage 0 only:
+
+* **Step pace** (`StepPace`): a plan's cost is its tokens plus its prompt-scoring rows (a scored
+  row runs lm_head, a float32 log_softmax and a top-k over the vocabulary: counted as one more
+  token). Stage 0 measures what plans cost — the stages' busy seconds for each plan (the sum
+  over stages: a request's step crosses every one of them) per unit of cost — and sizes the
+  prefill and scoring part of each plan so a plan is predicted to take at most `target_s`.
+  Decodes always run (one token per running request); prompts and scoring fill what is left, at
+  least MIN_PREFILL_TOKENS a plan so a long prompt still progresses. A long prompt therefore
+  never holds the batch for seconds, and an abort (applied between steps) takes effect within
+  one short step.
+* **Water-filling** (`water_fill`): the prompt share of a plan is split max-min fairly between
+  the prompts that want tokens (running prompts and the waiting requests with a free seat):
+  a short prompt gets all it needs, the long ones share the rest equally.
+* **Families** (`family`, `fair_order`): the router sends a response's upstream calls as
+  `<response id>-<prompt>[-<candidate>]` (router/handlers.py, router/fanout.py), so `n`,
+  `best_of` and a list of prompts are one family. Waiting requests are admitted round-robin by
+  family (fewest seats held first, then arrival), and a family holding fewer seats than the
+  largest one (by two or more) may take a seat from it by preemption when every seat is held:
+  n=128 x best_of=128 cannot keep an unrelated request waiting for its 256 sequences to end.
+
+Invariant: these rules change only which tokens a plan carries, never what is computed for
+them: token ids and logprobs are the same for any chunking (tests/engine/test_prompt_logprobs.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from pipeserve.engine.plan import StageReport, StepPlan
+
+MIN_PREFILL_TOKENS = 16  # a plan's prompt share never falls under this (a long prompt progresses)
+BOOT_TOKENS = 256  # the prompt share before any plan was measured
+PACE_MIN_COST = 16  # plans cheaper than this are not measured (fixed overheads dominate them)
+PACE_WEIGHT = 0.3  # weight of the newest measurement in the moving average
+
+
+def plan_cost(plan: StepPlan) -> int:
+    """A plan's cost in token units: its tokens, plus one per prompt-scoring row."""
+    return sum(len(c.token_ids) + c.score_rows for c in plan.chunks)
+
+
+class StepPace:
+    """Seconds per unit of plan cost, measured from the stages' busy meters; the prompt share
+    that keeps a plan within `target_s` (None: no time target, the token budget alone)."""
+
+    def __init__(self, target_s: float | None) -> None:
+        self.target_s = target_s
+        self.s_per_token: float | None = None
+        self._busy: dict[int, float] = {}  # rank -> busy seconds at its previous report
+
+    def observe(self, cost: int, reports: Sequence[StageReport]) -> None:
+        """A plan of `cost` came back with these reports (cumulative busy seconds per stage)."""
+        spent = 0.0
+        for r in reports:
+            before = self._busy.get(r.rank)
+            self._busy[r.rank] = r.busy_s
+            if before is None or r.busy_s < before:  # first report, or a new incarnation of the stage
+                return
+            spent += r.busy_s - before
+        if not reports or cost < PACE_MIN_COST or spent <= 0:
+            return
+        new = spent / cost
+        old = self.s_per_token
+        self.s_per_token = new if old is None else (1 - PACE_WEIGHT) * old + PACE_WEIGHT * new
+
+    def prompt_share(self, decodes: int) -> int | None:
+        """Prompt (and scoring) tokens a plan may add to its `decodes`; None: no time limit."""
+        if self.target_s is None:
+            return None
+        if self.s_per_token is None:
+            return BOOT_TOKENS
+        return max(MIN_PREFILL_TOKENS, int(self.target_s / self.s_per_token) - decodes)
+
+
+def water_fill(needs: Iterable[int], budget: int) -> int:
+    """The largest per-request cap c with sum(min(need, c)) <= budget (max-min fairness); at
+    least 1, so every prompt gets a token when the budget is short."""
+    ordered = sorted(n for n in needs if n > 0)
+    left, count = budget, len(ordered)
+    for i, need in enumerate(ordered):
+        share = left // (count - i)
+        if need > share:
+            return max(1, share)
+        left -= need
+    return max(1, budget)
+
+
+def family(req_id: str) -> str:
+    """The response a request belongs to: `cmpl-<hex>-0-3` and `cmpl-<hex>-1` are both of
+    `cmpl-<hex>` (the router's naming, module docstring); an id without two parts is its own."""
+    parts = req_id.split("-", 2)
+    return "-".join(parts[:2])
+
+
+def fair_order(ids: Sequence[str], seats: Counter[str]) -> list[int]:
+    """Indices of the waiting requests `ids` round-robin by family: the k-th waiting request of
+    a family holding s seats comes at rank s + k; ties in arrival order."""
+    taken: Counter[str] = Counter()
+    keys = []
+    for i, rid in enumerate(ids):
+        f = family(rid)
+        keys.append((seats[f] + taken[f], i))
+        taken[f] += 1
+    return [i for _, i in sorted(keys)]
