@@ -388,6 +388,21 @@ class RouterConfig:
     header_timeout_s: float = 10.0
     max_header_bytes: int = 65536
     body_timeout_s: float = 30.0
+    # What one request may cost (router/cost.py): above either limit, a 400 naming the client's field.
+    max_prompt_scoring: int = field(
+        default=131072,
+        metadata={
+            "help": "prompt tokens x prompt_logprobs (echo's logprobs; at least 1) one request may have "
+            "scored, summed over its prompts; more is a 400 naming the field",
+        },
+    )
+    max_generated_tokens: int = field(
+        default=524288,
+        metadata={
+            "help": "prompts x best_of (n) x max_tokens one request may generate; more is a 400 naming "
+            "n, best_of or max_tokens",
+        },
+    )
 
     @property
     def model_name(self) -> str:
@@ -426,6 +441,8 @@ class RouterConfig:
         need(generation_config_ok(self.generation_config), "generation_config", GENERATION_CONFIG_RULE)
         need(1 <= self.tokenizer_threads <= 64, "tokenizer_threads", "must be in [1, 64]")
         need(1024 <= self.max_header_bytes <= 2**24, "max_header_bytes", "must be in [1024, 16 MiB]")
+        need(self.max_prompt_scoring >= 1, "max_prompt_scoring", "must be >= 1")
+        need(self.max_generated_tokens >= 1, "max_generated_tokens", "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,14 @@ class LLMEngine:
     def num_inflight_plans(self) -> int:
         return len(self._inflight)
 
+    def computing(self) -> set[str]:
+        """Ids of the requests running or in a plan not yet collected: an aborted request's last
+        chunks are still computed, and the gauges say so until their plan is back."""
+        ids = {r.req_id for r in self.scheduler.running}
+        for plan in self._inflight:
+            ids.update(c.req_id for c in plan.chunks)
+        return ids
+
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free

@@ -37,6 +37,7 @@ from pipeserve.errors import InvalidRequestError
 from pipeserve.request_defaults import load_defaults
 from pipeserve.router import errors, fanout, structured
 from pipeserve.router.chat_output import ChatOutput
+from pipeserve.router.cost import check_cost
 from pipeserve.router.edge import (
     Admission,
     Slot,
@@ -133,6 +134,8 @@ class Router:
                 )
                 for x in ids
             ]
+            scoring = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"  # echo's
+            self._check_cost(ids, params, req.n, req.best_of, req.max_tokens_param, scoring)
             echoed = None
             if req.echo:
                 echoed = [
@@ -187,6 +190,7 @@ class Router:
             params = self._resolve(
                 ids, req.params, "messages", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
             )
+            self._check_cost([ids], [params], req.n, req.n, req.max_tokens_param, "prompt_logprobs")
             fmt = Formatter(
                 True,
                 f"chatcmpl-{uuid.uuid4().hex}",
@@ -210,6 +214,13 @@ class Router:
         finally:
             if not slot.handed_off:
                 slot.release()
+
+    def _check_cost(
+        self, ids: list[list[int]], params: list[SamplingParams], n: int, best_of: int, mt: str, scoring: str
+    ) -> None:
+        """A 400 when the request costs more than this server lets one request cost (router/cost.py)."""
+        c = self.config
+        check_cost(ids, params, n, best_of, mt, scoring, c.max_prompt_scoring, c.max_generated_tokens)
 
     async def _off_loop(self, work: Callable[[], T]) -> T:
         """work() on the tokenizer pool; its InvalidRequestError (a bad prompt, a template's

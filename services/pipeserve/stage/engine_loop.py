@@ -377,7 +377,7 @@ class EngineLoop:
             pending += len(r.prompt_token_ids) + (r.params.max_tokens or 0) - len(r.output_token_ids)
         total = self.engine.num_total_blocks
         self.stats = LoopStats(
-            running=len(sched.running),
+            running=len(self.engine.computing()),  # aborted requests' plans still in the ring count
             waiting=len(sched.waiting),
             kv_blocks_used=total - self.engine.num_free_blocks,
             kv_blocks_total=total,
