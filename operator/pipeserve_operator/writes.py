@@ -89,7 +89,7 @@ def whole(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     """The replace body: `desired`, plus what the live object keeps (see the module's docstring)."""
     out = copy.deepcopy(desired)
     meta, have = out["metadata"], live.get("metadata") or {}
-    meta["resourceVersion"] = have.get("resourceVersion")
+    meta["resourceVersion"] = have.get("resourceVersion")  # the precondition (None: an emulator's)
     for key in ("labels", "annotations"):
         merged = {**(have.get(key) or {}), **(meta.get(key) or {})}
         if merged:
