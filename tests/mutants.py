@@ -1147,6 +1147,13 @@ MUTANTS = [
         "tests/k8s/test_operator_refusals.py",
     ),
     (
+        "CRD: group phases restated by hand (one the operator writes is refused)",
+        "operator/pipeserve_operator/crd.py",
+        '"enum": [p.value for p in GroupPhase]',
+        '"enum": ["Pending", "Starting", "Ready", "Restarting"]',
+        "tests/k8s/test_crd.py -k one_definition",
+    ),
+    (
         "CRD: tolerations accept any object (a misspelt field reaches the StatefulSet)",
         "operator/pipeserve_operator/corev1.py",
         '    return generated("Toleration")',

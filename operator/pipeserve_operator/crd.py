@@ -7,7 +7,9 @@
 missing field, then that field's own properties are defaulted in turn), so the operator and the chart's
 tests never restate a default. What the schema cannot say (a list's length against another field, two
 mutually exclusive fields) is a CEL rule (`x-kubernetes-validations`), checked by the API server.
-`exclusiveMinimum` is OpenAPI v3.0's boolean form: validate examples with a Draft 4 validator.
+`exclusiveMinimum` is OpenAPI v3.0's boolean form: validate examples with a Draft 4 validator. Enums
+come from their one definition: group phases from `care.restarts.GroupPhase`, router policies from
+`pipeserve.config.POLICIES` (what the router accepts), devices and placement modes from `pod.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import copy
 import sys
 from typing import Any
 
+from pipeserve.care.restarts import GroupPhase
+from pipeserve.config import POLICIES
 from pipeserve_operator import corev1
 from pipeserve_operator.owned import (
     OWNED_ANNOTATIONS,
@@ -27,6 +31,7 @@ from pipeserve_operator.owned import (
     RESERVED_FLAGS,
     cel_list,
 )
+from pipeserve_operator.pod import COLOCATE, DEVICES, GANGS
 
 GROUP, VERSION, PLURAL, KIND = "pipeserve.io", "v1alpha1", "inferencepipelines", "InferencePipeline"
 
@@ -99,7 +104,7 @@ def _spec_schema() -> dict[str, Any]:
             },
             "device": {
                 **_STR,
-                "enum": ["auto", "cpu", "cuda"],
+                "enum": list(DEVICES),
                 "default": "auto",
                 "description": "auto: cuda when resources ask for nvidia.com/gpu, else cpu",
             },
@@ -113,7 +118,7 @@ def _spec_schema() -> dict[str, Any]:
                 {
                     "policy": {
                         **_STR,
-                        "enum": ["round_robin", "least_load", "prefix_affinity"],
+                        "enum": list(POLICIES),  # the router's own list (pipeserve.config)
                         "default": "round_robin",
                     }
                 },
@@ -160,9 +165,9 @@ def _pod_fields() -> dict[str, Any]:
     }
     placement = _obj(
         {
-            "colocate": {**_STR, "enum": ["preferred", "required", "none"], "default": "preferred"},
+            "colocate": {**_STR, "enum": list(COLOCATE), "default": "preferred"},
             "topologyKey": {**_STR, "minLength": 1, "default": "kubernetes.io/hostname"},
-            "gang": {**_STR, "enum": ["none", "volcano", "kueue"], "default": "none"},
+            "gang": {**_STR, "enum": list(GANGS), "default": "none"},
             "queueName": {**_STR, "minLength": 1},
         },
         None,
@@ -231,7 +236,7 @@ def _status_schema() -> dict[str, Any]:
     group = _obj(
         {
             "index": _INT,
-            "phase": {**_STR, "enum": ["Pending", "Starting", "Ready", "Restarting", "Failed"]},
+            "phase": {**_STR, "enum": [p.value for p in GroupPhase]},  # what the restart policy decides
             "generation": _INT,
             "restarts": _INT,
             "ready": {"type": "boolean"},

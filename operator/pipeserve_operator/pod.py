@@ -31,6 +31,10 @@ from pipeserve_operator.owned import (
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# The spec's choices (the CRD's enums are these): spec.device, placement.colocate, placement.gang.
+DEVICES = ("auto", "cpu", "cuda")
+COLOCATE = ("preferred", "required", "none")
+GANGS = ("none", "volcano", "kueue")
 SHM_PATH = "/dev/shm"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 KUEUE_GROUP_LABEL, KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/pod-group-name", "kueue.x-k8s.io/queue-name"

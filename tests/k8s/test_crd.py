@@ -270,3 +270,29 @@ def test_pod_and_placement_defaults() -> None:
         body["spec"].update(bad)
         with pytest.raises(jsonschema.ValidationError):
             schema_validator().validate(body)
+
+
+def test_enums_are_their_one_definitions() -> None:
+    """The CRD offers exactly what the code handles: every group phase the restart policy decides, every
+    router policy the router accepts, every device and placement mode the builders render."""
+    from pipeserve.care.restarts import GroupPhase
+    from pipeserve.config import POLICIES
+    from pipeserve_operator.pod import COLOCATE, DEVICES, GANGS
+
+    root = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    group = root["status"]["properties"]["groups"]["items"]["properties"]
+    assert group["phase"]["enum"] == [p.value for p in GroupPhase]
+    spec = spec_schema()["properties"]
+    assert spec["router"]["properties"]["policy"]["enum"] == list(POLICIES)
+    assert spec["device"]["enum"] == list(DEVICES)
+    placement = spec["placement"]["properties"]
+    assert placement["gang"]["enum"] == list(GANGS) and placement["colocate"]["enum"] == list(COLOCATE)
+    for extra in (
+        *({"device": d} for d in DEVICES),
+        *({"placement": {"gang": g, "queueName": "q"}} for g in GANGS),
+        *({"placement": {"colocate": c}} for c in COLOCATE),
+    ):
+        body = copy.deepcopy(EXAMPLE)
+        body["spec"].update(extra)
+        schema_validator().validate(body)
+        stage_statefulset(body, 0, 1)
