@@ -55,16 +55,18 @@ def test_a_frozen_host(cluster: Cluster, table: Table) -> None:
     wait_stopped(cluster)  # the thawed stage 1 finds its ring gone
     assert_503(cluster)
     cluster.restart_group()
-    outcomes = running.join()
-    table.record("stage 1 frozen past ring_timeout_s", outcomes, ready_after(cluster, t_heal))
-    assert check(outcomes)["error"] >= 1
+    fault = "stage 1 frozen past ring_timeout_s"
+    ready_after(cluster, t_heal, lambda s: table.record(fault, running.join(), s))
+    assert check(running.join())["error"] >= 1
     assert_serves(cluster, seed=10)
 
 
-@pytest.mark.parametrize("host", ["s0", "s1"])
+@pytest.mark.parametrize("host", ["s0"])
 def test_a_node_back_with_a_new_address(cluster: Cluster, table: Table, host: str) -> None:
     """The host's processes killed (the node is gone) under load; it comes back with another
-    address; the group, restarted whole, finds it by name and serves right."""
+    address; the group, restarted whole, finds it by name and serves right. Stage 0's node: the
+    rendezvous' master and the router's upstream move (a follower's move is the easier case:
+    only its own announcement to the store changes)."""
     running = load(cluster, 8, seed=11, gap_s=0.3)
     time.sleep(0.5)
     cluster.hosts.kill_host(host)
@@ -73,8 +75,8 @@ def test_a_node_back_with_a_new_address(cluster: Cluster, table: Table, host: st
     new = cluster.hosts.readdress(host)
     t_back = time.monotonic()
     cluster.restart_group()
-    outcomes = running.join()
-    table.record(f"stage {host[1:]} back with a new address", outcomes, ready_after(cluster, t_back))
-    assert check(outcomes)["error"] >= 1
+    fault = f"stage {host[1:]} back with a new address"
+    ready_after(cluster, t_back, lambda s: table.record(fault, running.join(), s))
+    assert check(running.join())["error"] >= 1
     assert new != old and cluster.addr(host) == new
     assert_serves(cluster, seed=12)
