@@ -58,7 +58,7 @@ def test_stage_redis_partition(cluster: Cluster, table: Table) -> None:
         failed = loads - (metric(text, "pipeserve:hicache_l3_group_loads_total", outcome="ok") or 0)
         complete, partial = cluster.l3_pages()  # every page decodes; pages of a block agree
         assert complete >= stored[0], (complete, stored)
-        print(f"heal {heal_s:g} s: L3 loads {loads}, failed {failed}; blocks {complete} whole, {partial} partial")
+        print(f"heal {heal_s:g} s: L3 loads {loads} ({failed} failed); blocks {complete} + {partial} partial")
         assert failed > failed_before, "no L3 load met the cut: the fault was not exercised"
         failed_before = failed
     assert_serves(cluster, 100)
