@@ -2316,8 +2316,8 @@ MUTANTS = [
     (
         "the pre-norm layer's norms ignore the config (gemma's 1 + w)",
         "services/pipeserve/model/layers.py",
-        "        self.input_layernorm = make_norm(cfg, cfg.hidden_size)\n        self.self_attn = Attention(cfg, spec)",
-        "        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)\n        self.self_attn = Attention(cfg, spec)",
+        "self.input_layernorm = make_norm(cfg, cfg.hidden_size)",
+        "self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)",
         "tests/model/test_gemma.py -k gemma_1",
     ),
     (
