@@ -85,6 +85,9 @@ def test_a_disconnect_mid_scoring_stops_the_work_on_every_stage(up: UpProcess) -
     wait_until(stopped, 10, "work stopped on every stage", interval_s=0.02)
     took = time.monotonic() - gone
     assert took <= GONE_WITHIN_S, f"work stopped {took:.2f}s after the disconnect: {last}"
+    stage0 = httpx.get(up.groups()[0]["health"][0] + "/metrics", timeout=2).text
+    aborted = metric(stage0, "pipeserve:request_success_total", finished_reason="abort")
+    assert aborted == 1, "stage 0 aborted the request (it did not run to its end)"
     text = httpx.get(up.url + "/metrics", timeout=2).text
     closed = metric(text, "pipeserve:router_requests_total", endpoint="/v1/completions", status="499")
     assert closed == 1, "the router counted the disconnect (499)"

@@ -54,14 +54,15 @@ class StepPace:
 
     def observe(self, cost: int, reports: Sequence[StageReport]) -> None:
         """A plan of `cost` came back with these reports (cumulative busy seconds per stage)."""
-        spent = 0.0
+        spent, known = 0.0, bool(reports)
         for r in reports:
             before = self._busy.get(r.rank)
             self._busy[r.rank] = r.busy_s
             if before is None or r.busy_s < before:  # first report, or a new incarnation of the stage
-                return
-            spent += r.busy_s - before
-        if not reports or cost < PACE_MIN_COST or spent <= 0:
+                known = False
+            else:
+                spent += r.busy_s - before
+        if not known or cost < PACE_MIN_COST or spent <= 0:
             return
         new = spent / cost
         old = self.s_per_token

@@ -113,6 +113,7 @@ class Scheduler:
         l2_loads: list[BlockCopy] = []
         l3_loads: list[LoadOrder] = []
         self.fetch.take_probe_answers(self.requests)
+        self._rebalance_seats()
         # Decodes first (one token each), then the prompt share (engine/fairness.py): the step
         # pace's limit, split max-min fairly between running prompts and the admissible waiting.
         decoding = [r for r in self.running if self._wants(r) == 1]
@@ -214,8 +215,10 @@ class Scheduler:
             req = queue[i]
             if budget <= 0:
                 break
-            if req.fetch in (Fetch.PROBING, Fetch.LOADING) or not self._take_seat(req, seats):
+            if req.fetch in (Fetch.PROBING, Fetch.LOADING):
                 continue
+            if len(self.running) >= self.max_num_seqs:
+                break
             tokens = req.all_token_ids
             hits, prev = self.bm.match_prefix(tokens)
             l2 = self.bm.match_host(tokens, len(hits), prev)
@@ -262,19 +265,27 @@ class Scheduler:
             budget -= len(chunk.token_ids) + chunk.score_rows
         return budget
 
-    def _take_seat(self, req: Request, seats: Counter[str]) -> bool:
-        """Whether `req` may run now: a free seat (max_num_seqs), or one taken by preemption from
-        the family holding the most seats when req's family holds two fewer (engine/fairness.py)."""
-        if len(self.running) < self.max_num_seqs:
-            return True
-        mine = seats[family(req.req_id)]
-        for victim in reversed(self.running):  # the newest request of the largest family
-            f = family(victim.req_id)
-            if seats[f] >= mine + 2 and seats[f] == max(seats.values()) and victim.num_inflight == 0:
-                self._preempt(victim)
-                seats[f] -= 1
-                return True
-        return False
+    def _rebalance_seats(self) -> None:
+        """When every seat (max_num_seqs) is held, free one for each waiting request whose family
+        holds two seats fewer than the largest, by preempting that family's newest request
+        (engine/fairness.py). Runs before a plan takes its decodes, while no running request of
+        a one-stage group is in flight."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        seats = Counter(family(r.req_id) for r in self.running)
+        for req in list(self.waiting):
+            mine, top = seats[family(req.req_id)], max(seats.values())
+            if req.fetch in (Fetch.PROBING, Fetch.LOADING) or top < mine + 2:
+                continue
+            victim = next(
+                (v for v in reversed(self.running) if seats[family(v.req_id)] == top and not v.num_inflight),
+                None,
+            )
+            if victim is None:
+                return
+            self._preempt(victim)
+            seats[family(victim.req_id)] -= 1
+            seats[family(req.req_id)] += 1  # the seat it frees is this request's (fair order)
 
     def _traces(self, new_reqs: list[NewRequest]) -> dict[str, str] | UnsetType:
         """Trace context of the sampled requests entering the executors (UNSET: none, bytes unchanged)."""

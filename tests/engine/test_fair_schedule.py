@@ -1,0 +1,104 @@
+"""Fair shares of a step (engine/fairness.py), on stage 0's scheduler alone (no model: plans only).
+
+A long prompt — scored or not — never holds the batch: its chunks fit the step pace, scored rows
+count against the budget, and a request arriving meanwhile gets its prompt and its decodes in
+the very next plans. A fan-out (n=128 siblings of one response) cannot keep an unrelated request
+from a seat: admission is round-robin by family, and a family short of seats takes one from the
+largest by preemption.
+"""
+
+from __future__ import annotations
+
+from pipeserve.engine.block_manager import BlockManager
+from pipeserve.engine.fairness import MIN_PREFILL_TOKENS, StepPace, family, water_fill
+from pipeserve.engine.plan import PromptScores, SampledToken, StageReport, StepOutput, StepPlan
+from pipeserve.engine.request import Request
+from pipeserve.engine.scheduler import Scheduler
+from pipeserve.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+SCORED = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+
+
+def complete(s: Scheduler, plan: StepPlan, busy_s: float = 0.0) -> None:
+    """Apply the plan's result; `busy_s` is stage 0's cumulative busy time it reports."""
+    sampled = [SampledToken(c.req_id, 7) for c in plan.chunks if c.sample_index >= 0]
+    scores = [
+        PromptScores(c.req_id, c.start_pos + 1, [0.0] * c.score_rows, [1] * c.score_rows, [[]] * c.score_rows)
+        for c in plan.chunks
+        if c.score_rows
+    ]
+    report = StageReport(0, plan.digest, 0, 0, busy_s, busy_s)
+    s.update(plan, StepOutput(plan.step_id, sampled, [report], scores))
+
+
+def paced(target_s: float, s_per_token: float, max_num_seqs: int = 64, blocks: int = 4096) -> Scheduler:
+    s = Scheduler(BlockManager(blocks, 16), max_num_seqs, 2048, 8192, (), step_target_s=target_s)
+    s.pace.s_per_token = s_per_token
+    return s
+
+
+def test_water_fill_gives_short_prompts_all_they_need_and_splits_the_rest() -> None:
+    assert water_fill([4, 1000, 1000], 104) == 50
+    assert water_fill([4, 10], 100) == 100
+    assert water_fill([500] * 8, 16) == 2
+    assert water_fill([500] * 40, 16) == 1  # at least a token each
+
+
+def test_pace_measures_busy_seconds_per_cost() -> None:
+    pace = StepPace(0.25)
+    assert pace.prompt_share(0) is not None  # the boot share before any measurement
+    R = StageReport
+    pace.observe(100, [R(0, 0, 0, 0, 1.0, 1.0), R(1, 0, 0, 0, 2.0, 2.0)])  # first reports: no delta
+    pace.observe(100, [R(0, 0, 0, 0, 1.5, 2.0), R(1, 0, 0, 0, 2.5, 3.0)])  # 1 s for 100 across stages
+    assert pace.s_per_token == 0.01
+    assert pace.prompt_share(5) == 20  # 0.25 s / 0.01 s - 5 decodes
+    assert pace.prompt_share(1000) == MIN_PREFILL_TOKENS
+    assert StepPace(None).prompt_share(0) is None
+
+
+def test_a_scored_prompt_is_chunked_within_the_budget_and_others_interleave() -> None:
+    s = paced(0.25, 0.001)  # 250 cost units a plan
+    s.add(Request("cmpl-long-0", list(range(1, 4001)), SCORED))
+    first = s.schedule()
+    [c] = first.chunks
+    assert len(c.token_ids) + c.score_rows <= 250, "a scored row counts against the step"
+    complete(s, first)
+    s.add(Request("cmpl-small-0", [1, 2, 3, 4], PARAMS))
+    for _ in range(PARAMS.max_tokens or 0):  # the small request's prompt then a decode every plan
+        plan = s.schedule()
+        ids = [c.req_id for c in plan.chunks]
+        assert "cmpl-small-0" in ids and "cmpl-long-0" in ids, ids
+        assert plan.num_tokens + sum(c.score_rows for c in plan.chunks) <= 250 + 1
+        complete(s, plan)
+    assert "cmpl-small-0" not in s.requests, "the small request finished while the scoring ran"
+    assert "cmpl-long-0" in s.requests
+
+
+def test_without_a_pace_the_token_budget_alone_applies() -> None:
+    s = Scheduler(BlockManager(4096, 16), 64, 2048, 8192, ())
+    s.add(Request("a", list(range(1, 3001)), PARAMS))
+    assert s.schedule().num_tokens == 2048
+
+
+def test_a_fanout_cannot_hold_every_seat() -> None:
+    s = paced(10.0, 0.0001, max_num_seqs=32)
+    siblings = [Request(f"cmpl-fan-0-{j}", [1, 2, 3, 4], PARAMS) for j in range(128)]
+    for r in siblings:
+        s.add(r)
+    complete(s, s.schedule())
+    assert len(s.running) == 32
+    s.add(Request("cmpl-other-0", [9, 9, 9], PARAMS))
+    plan = s.schedule()
+    assert "cmpl-other-0" in [c.req_id for c in plan.chunks], "admitted at once, a sibling preempted"
+    assert family("cmpl-fan-0-17") == family("cmpl-fan-1") == "cmpl-fan"
+
+
+def test_waiting_families_are_admitted_round_robin() -> None:
+    s = paced(10.0, 0.0001, max_num_seqs=4)
+    for j in range(6):
+        s.add(Request(f"cmpl-a-0-{j}", [1, 2, 3], PARAMS))
+    s.add(Request("cmpl-b-0", [4, 5, 6], PARAMS))
+    plan = s.schedule()
+    ids = [c.req_id for c in plan.chunks]
+    assert "cmpl-b-0" in ids and len(ids) == 4, ids
