@@ -163,8 +163,8 @@ MUTANTS = [
     (
         "a sampling chunk is not waited for: the next decode is scheduled before its token",
         "services/pipeserve/engine/scheduler.py",
-        "            if req.num_scheduled == req.num_tokens or req.status is not RequestStatus.RUNNING:",
-        "            if req.status is not RequestStatus.RUNNING:",
+        "        return req.num_tokens - req.num_scheduled",
+        "        return max(1, req.num_tokens - req.num_scheduled)",
         "tests/engine/test_scheduler_microbatches.py tests/ring/test_pipeline_correctness.py"
         " -k 'llama and 2'",
     ),
@@ -2333,6 +2333,41 @@ MUTANTS = [
         'gguf=GgufSpec("gemma", GGUF_BLOCK_NAMES, gguf_config, norm_shift=1.0),',
         'gguf=GgufSpec("gemma", GGUF_BLOCK_NAMES, gguf_config, norm_shift=0.0),',
         "tests/model/test_gguf_arch.py -k 'give_back and gemma and not gemma2 and not gemma3'",
+    ),
+    (
+        "prompt scoring not chunked: a scored prompt holds the batch (issue 29)",
+        "services/pipeserve/engine/scheduler.py",
+        "    return max(1, min(wants, allowance // per))",
+        "    return wants if per == 2 else max(1, min(wants, allowance // per))",
+        "tests/engine/test_fair_schedule.py -k scored",
+    ),
+    (
+        "no step pace: prompts chunked by the token budget alone (issue 29)",
+        "services/pipeserve/engine/scheduler.py",
+        "        prompt = budget if share is None else min(budget, share)",
+        "        prompt = budget",
+        "tests/engine/test_fair_schedule.py -k scored",
+    ),
+    (
+        "a fan-out holds every seat: no seat rebalancing between families (issue 29)",
+        "services/pipeserve/engine/scheduler.py",
+        "        self._rebalance_seats()\n",
+        "\n",
+        "tests/engine/test_fair_schedule.py -k fanout",
+    ),
+    (
+        "abort not propagated: a disconnected client's request runs on (issue 29)",
+        "services/pipeserve/stage/engine_loop.py",
+        "                    self.engine.abort(cmd.req_id)",
+        "                    pass",
+        "tests/stage/test_abort_everywhere.py",
+    ),
+    (
+        "request cost bound off: any prompt scoring accepted (issue 29)",
+        "services/pipeserve/router/cost.py",
+        "    if scored > max_prompt_scoring:",
+        "    if False:",
+        "tests/router/test_request_cost.py",
     ),
 ]
 
