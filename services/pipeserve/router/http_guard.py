@@ -13,6 +13,14 @@ forever and a 200 MB unfinished header is 200 MB of router memory.
 * a header size cap: more than `max_header_bytes` received while a request's
   headers are incomplete is a 431 and the connection is closed.
 
+A client gone mid-response (a reset) must not flood the log: asyncio's transport
+logs `socket.send() raised exception.` for every write after the first failed one
+until the protocol hears of the loss on the loop's next turn, and a response that
+writes in a burst (a stream's opening chunks, one per choice: n=64 gave 167 lines)
+writes many in that turn. `_WriteGuard` drops writes once the transport is closing
+and tells the response at once (its cycle is disconnected, its receive() says
+http.disconnect), as connection_lost will a moment later.
+
 So a connection holds at most the cap plus one socket read before its headers
 are parsed; its body is bounded by the app (read_json reads at most
 MAX_BODY_BYTES, within `body_timeout_s`: 408 otherwise), and uvicorn pauses
@@ -60,7 +68,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = _WriteGuard(transport, self)  # type: ignore[assignment]
         self._arm()
+
+    def lost_on_write(self) -> None:
+        """A write found the transport closing: the response stops now (connection_lost's part)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.disconnected:
+            cycle.disconnected = True
+            cycle.message_event.set()  # receive() answers http.disconnect: the stream is cancelled
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -130,6 +146,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             log.warning("%d to %s: %s (connection closed)", status, peer, message)
         else:
             self.refusals.warning(status, "%d to %s: %s (connection closed)", status, peer, message)
+
+
+class _WriteGuard:
+    """The transport as uvicorn's protocol and its responses see it: writes once it is closing are
+    dropped (see the module docstring); everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._transport.is_closing():
+            self._protocol.lost_on_write()
+            return
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def guarded_protocol(config: RouterConfig) -> type[GuardedHttpProtocol]:
