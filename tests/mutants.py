@@ -2369,6 +2369,13 @@ MUTANTS = [
         "    if False:",
         "tests/router/test_request_cost.py",
     ),
+    (
+        "fan-out takes the router's last slots: single requests turned away with 429 (issue 29)",
+        "services/pipeserve/router/handlers.py",
+        "        reserve = a.limit // 4",
+        "        reserve = 0",
+        "tests/router/test_request_cost.py -k quarter",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -77,3 +77,18 @@ def test_at_the_limits_requests_are_served(router: RouterHarness) -> None:
     for path, body in ok:
         r = post(router, path, body)
         assert r.status_code == 200, r.text
+
+
+def test_a_fanout_leaves_a_quarter_of_the_slots_to_single_requests(llama_dir: Path) -> None:
+    stage = ScriptedStage([5, 6, 7, 8], vocab_size=1024, max_model_len=2048)
+    stage.token_delay_s = 0.2
+    with RouterHarness(llama_dir, {"g0": stage}, served_model_name="demo", max_concurrency=8) as h:
+        body = {"model": "demo", "prompt": [1, 2], "n": 4, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", h.url + "/v1/completions", json=body, timeout=30) as held:
+            assert held.status_code == 200
+            lines = held.iter_lines()  # kept: a dropped iterator closes the response (a disconnect)
+            next(lines)  # 4 of 8 slots in flight: a fan-out of 3 would leave 1, under the quarter (2)
+            r = post(h, "/v1/completions", {"prompt": [1, 2], "n": 3, "max_tokens": 1})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+            r = post(h, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
+            assert r.status_code == 200, r.text

@@ -106,7 +106,7 @@ class Router:
         req = parse_completion(await self.read_json(request), self.defaults)
         self.check_model(req.model)
         param = "best_of" if req.best_of > 1 else "prompt"
-        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)
+        slot = self._acquire(len(req.prompts) * req.best_of, param)
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -169,7 +169,7 @@ class Router:
         req = parse_chat(await self.read_json(request), self.defaults)
         self.check_model(req.model)
         check_parser(req.tools, self.config.tool_call_parser)
-        slot = self.admission.acquire(req.n, "n")
+        slot = self._acquire(req.n, "n")
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(
@@ -214,6 +214,20 @@ class Router:
         finally:
             if not slot.handed_off:
                 slot.release()
+
+    def _acquire(self, units: int, param: str) -> Slot:
+        """Admission for `units` upstream calls. A fan-out (units > 1) may not take the last
+        quarter of max_concurrency while anything else is in flight: those slots stay for
+        single-generation requests, so a few n=128 requests cannot turn everyone else away with
+        429 (issue 29). Alone, it may take them all (or it could never be served)."""
+        a = self.admission
+        reserve = a.limit // 4
+        if units > 1 and a.in_flight and a.in_flight + units > a.limit - reserve:
+            raise errors.too_many_requests(
+                f"the router has {a.in_flight} generations in flight and this request adds {units}; "
+                f"the last {reserve} of max_concurrency {a.limit} are kept for requests of one generation"
+            )
+        return a.acquire(units, param)
 
     def _check_cost(
         self, ids: list[list[int]], params: list[SamplingParams], n: int, best_of: int, mt: str, scoring: str
