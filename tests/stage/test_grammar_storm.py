@@ -113,3 +113,19 @@ def test_sixteen_grammar_bombs_get_answers_and_leave_nothing_running(up: UpProce
     assert burned < 0.1, f"the compilers burned {burned:.2f} CPU-s in the second after the answers"
     ok = httpx.post(up.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_huge_sampling_values_are_served_under_a_grammar(up: UpProcess) -> None:
+    """temperature and repetition_penalty of 1e308 are valid (vLLM's bounds: finite, >= 0 / > 0):
+    the router and stage 0 accept them, the sampler stays finite (tests/engine/test_huge_sampling.py)."""
+    body = {
+        **_body({"type": "object", "properties": {"a": {"type": "integer"}}}),
+        "temperature": 1e308,
+        "repetition_penalty": 1e308,
+        "presence_penalty": 2,
+        "frequency_penalty": -2,
+        "max_tokens": 16,
+    }
+    code, answer, _ = _post(up, body)
+    assert code == 200, answer
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
