@@ -226,7 +226,7 @@ def grammar_metrics(pool: GrammarPool) -> dict[str, Metric]:
         ),
         p + "grammar_compiles_running": Metric("gauge", "structured specs compiling now", pool.running),
         p + "grammar_workers": Metric("gauge", "grammar compiler processes alive", len(pool.pids())),
-        p + "grammar_workers_killed_total": Metric(
+        p + "grammar_workers_killed": Metric(
             "counter", "compiler processes killed (past the budget, cancelled, failed)", pool.killed
         ),
     }
