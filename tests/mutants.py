@@ -2376,6 +2376,29 @@ MUTANTS = [
         "        reserve = 0",
         "tests/router/test_request_cost.py -k quarter",
     ),
+    # --- issue 31 (operator, chart) ---
+    (
+        "chart: the router is passed --policy, overriding live edits of spec.router.policy (issue 31)",
+        "charts/pipeserve/templates/router-deployment.yaml",
+        "            {{- /* No --policy: it would override live edits of each pipeline's spec.router.policy. */}}\n",
+        "            {{- with $r.policy }}\n            - --policy\n            - {{ . | quote }}\n            {{- end }}\n",
+        "tests/k8s/test_chart_example.py -k policy",
+    ),
+    (
+        "chart: example.placement not rendered into the example pipeline (issue 31)",
+        "charts/pipeserve/templates/example-pipeline.yaml",
+        "  {{- with $ex.placement }}",
+        "  {{- with $ex.placementX }}",
+        "tests/k8s/test_chart_example.py -k placement",
+    ),
+    (
+        "stuck pod held by Kueue's finalizer force-deleted anyway (issue 31)",
+        "operator/pipeserve_operator/supervise.py",
+        '        if meta.get("finalizers"):',
+        "        if False:",
+        "tests/k8s/test_operator_reconcile.py -k stuck",
+    ),
+    # --- end issue 31 ---
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

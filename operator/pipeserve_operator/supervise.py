@@ -98,9 +98,19 @@ async def _node_ready(kube: Kube, name: str | None) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-async def free_stuck_pods(kube: Kube, pipeline: dict, pods: list[dict[str, Any]], now: float) -> int:
-    """Force-delete the group pods stuck Terminating on a lost node; returns how many."""
+async def free_stuck_pods(
+    kube: Kube, pipeline: dict, pods: list[dict[str, Any]], now: float, held: set[str] | None = None
+) -> int:
+    """Force-delete the group pods stuck Terminating on a lost node; returns how many.
+
+    A pod that still holds a finalizer is not forced: a grace-0 delete cannot remove it before its
+    finalizers are gone. Kueue's pod integration (placement.gang kueue, or a namespace Kueue manages)
+    adds `kueue.x-k8s.io/managed` and removes it only once the pod has terminated, which a lost node never
+    reports; stripping it would hide the pod from Kueue's quota accounting. So forced deletion is off
+    for such a pod: a Warning Event `StuckPod` (once per pod uid: `held`) names the finalizer and the
+    remedy (the node tainted out-of-service: the pod GC marks the pod Failed, Kueue then releases it)."""
     forced = 0
+    held = set() if held is None else held
     for pod in pods:
         meta = pod.get("metadata") or {}
         stamp = meta.get("deletionTimestamp")
@@ -110,6 +120,17 @@ async def free_stuck_pods(kube: Kube, pipeline: dict, pods: list[dict[str, Any]]
         node = (pod.get("spec") or {}).get("nodeName")
         if await _node_ready(kube, node):
             continue  # the kubelet is alive and will finish the termination
+        if meta.get("finalizers"):
+            if meta.get("uid") not in held:
+                held.add(str(meta.get("uid")))
+                why = (
+                    f"pod {meta['name']} stuck Terminating on node {node or '(none)'} (NotReady or gone), "
+                    f"held by finalizers {meta['finalizers']}: not forced (a forced delete waits for them "
+                    "too); taint the node node.kubernetes.io/out-of-service=nodeshutdown:NoExecute so that "
+                    "the pod is marked Failed and its finalizers' owner (Kueue) releases it"
+                )
+                await groups.post_event(kube, pipeline, "Warning", "StuckPod", why)
+            continue
         if await kube.delete_pod(meta["namespace"], meta["name"], force_uid=meta.get("uid")):
             forced += 1
             why = (
@@ -198,7 +219,7 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
         seen.refused, seen.conflicts = writer.refused, writer.conflicts
     await _supervise(memo, pipeline, full, wanted, records, observed, by_group, entries, seen, problem)
     await _scale_down(memo, pipeline, extra, entries, wanted)
-    forced = await free_stuck_pods(kube, pipeline, pods, now)
+    forced = await free_stuck_pods(kube, pipeline, pods, now, memo.setdefault("held_pods", set()))
     new = _status(pipeline, full, status, seen, problem, forced, now)
     await kube.patch_pipeline_status(ns, name, {"status": new})
     return new

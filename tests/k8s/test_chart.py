@@ -75,7 +75,7 @@ CASES = {
         *("--set", "router.pipelines[0].name=a", "--set", "router.pipelines[0].model=m-a"),
         *("--set", "router.pipelines[0].tokenizer=/models/a", "--set", "router.pipelines[1].name=b"),
         *("--set", "router.pipelines[1].model=m-b", "--set", "router.pipelines[1].tokenizer=/models/b"),
-        *("--set", "router.pipelines[1].policy=least_load", "--set", "router.preStopSleepSeconds=0"),
+        *("--set", "router.pipelines[1].chatTemplate=x", "--set", "router.preStopSleepSeconds=0"),
     ],
     "metrics-from": [
         "--set-json",

@@ -71,7 +71,6 @@ def _pipelines(tmp_path: Path) -> list[dict]:
             "model": "model-b",
             "tokenizer": str(tmp_path / "b"),
             "chatTemplate": "{{ messages }}",
-            "policy": "prefix_affinity",
         },
     ]
 
@@ -84,7 +83,7 @@ def test_router_pipelines_become_its_models_file(tools: Tools, tmp_path: Path) -
     entries = parse_models(yaml.safe_load(text), "kubernetes")  # the router's own reader accepts it
     assert [(e.pipeline, e.model, e.policy) for e in entries] == [
         ("alpha", "model-a", None),
-        ("beta", "model-b", "prefix_affinity"),
+        ("beta", "model-b", None),
     ]
     pod = _router(objects)
     args = pod["containers"][0]["args"]
@@ -96,7 +95,7 @@ def test_router_pipelines_become_its_models_file(tools: Tools, tmp_path: Path) -
     ]
     assert {"name": "models", "configMap": {"name": "rel-pipeserve-router-models"}} in pod["volumes"]
     # The pod rolls when the file changes.
-    pipelines[1]["policy"] = "least_load"
+    pipelines[1]["chatTemplate"] = "{{ messages[-1] }}"
     other = tools.objects("--set-json", f"router.pipelines={json.dumps(pipelines)}")
     sums = [
         _find(o, "Deployment", "-router")["spec"]["template"]["metadata"]["annotations"]["checksum/models"]
@@ -234,7 +233,15 @@ BAD_VALUES = [
     ["--set", "router.pipelines[0].name=a"],  # no model, no tokenizer
     ["--set-json", 'router.pipelines=[{"name": "Bad_Name", "model": "m", "tokenizer": "/t"}]'],
     ["--set-json", 'router.pipelines=[{"name": "a", "model": "m", "tokenizer": "relative"}]'],
-    ["--set-json", 'router.pipelines=[{"name": "a", "model": "m", "tokenizer": "/t", "policy": "random"}]'],
+    # The policy is the pipeline's spec.router.policy, followed live: no pinned copy in the models file.
+    [
+        "--set-json",
+        'router.pipelines=[{"name": "a", "model": "m", "tokenizer": "/t", "policy": "least_load"}]',
+    ],
+    ["--set", "example.placement.gang=kueue"],  # no queueName
+    ["--set", "example.placement.colocate=always"],
+    ["--set", "example.placement.spread=1"],
+    ["--set", "example.rollout.partition=-1"],
     ["--set-json", 'router.pipelines=[{"name": "a", "model": "m", "tokenizer": "/t", "colour": "x"}]'],
     ["--set-json", 'networkPolicy.metricsFrom=[{"ipBlock": {"cidr": "10.0.0.0/8"}}]'],
     ["--set-json", "networkPolicy.metricsFrom=[{}]"],

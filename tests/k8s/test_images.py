@@ -172,7 +172,8 @@ def test_the_router_command_is_the_contracts(commands: list[list[str]]) -> None:
     ns = build_parser().parse_args(router[1:])
     got = (ns.host, ns.port, ns.discover, ns.namespace, ns.pipeline)
     assert got == ("0.0.0.0", 8000, "kubernetes", "ml", "demo")
-    assert ns.model == "/models/demo" and ns.policy == "least_load" and ns.tool_call_parser == "hermes"
+    # No --policy: the pipeline's spec.router.policy (least_load here, from router.policy) is followed live.
+    assert ns.model == "/models/demo" and ns.policy is None and ns.tool_call_parser == "hermes"
     (stage,) = [c for c in commands if c[:2] == ["pipeserve", "stage"] and len(c) > 2]
     ns = build_parser().parse_args(stage[1:])
     assert (ns.world_size, ns.host, ns.health_port, ns.grpc_port) == (2, "0.0.0.0", 8080, 50051)

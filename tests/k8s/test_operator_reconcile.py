@@ -264,8 +264,12 @@ async def test_volcano_gang_without_volcano_is_degraded(kmock: kmock.KubernetesE
 
 
 async def test_pods_stuck_on_a_lost_node_are_forced(kmock: kmock.KubernetesEmulator) -> None:
-    async with operator(kmock, pipeline(replicas=2, stages=1)):
-        await eventually(lambda: {"p-g0", "p-g1"} <= set(live(kmock, STS)))
+    # Group 2's pod holds Kueue's finalizer (placement.gang kueue): a forced delete could not remove it;
+    # it is left alone, with one StuckPod Event naming the finalizer and the remedy.
+    body = pipeline(replicas=3, stages=1)
+    body["spec"]["placement"] = {"gang": "kueue", "queueName": "q"}
+    async with operator(kmock, body):
+        await eventually(lambda: {"p-g0", "p-g1", "p-g2"} <= set(live(kmock, STS)))
         kmock.objects[NODES, None, "lost"] = {
             "metadata": {"name": "lost"},
             "status": {"conditions": [{"type": "Ready", "status": "Unknown"}]},
@@ -275,11 +279,13 @@ async def test_pods_stuck_on_a_lost_node_are_forced(kmock: kmock.KubernetesEmula
             "status": {"conditions": [{"type": "Ready", "status": "True"}]},
         }
         long_ago = rfc3339(asyncio.get_running_loop().time() - 100)
-        for group, node in ((0, "lost"), (1, "fine")):
+        for group, node in ((0, "lost"), (1, "fine"), (2, "lost")):
             pod = pod_from(live(kmock, STS)[f"p-g{group}"], 0)
             pod["metadata"].update(
                 uid=f"uid-{group}", deletionTimestamp=long_ago, deletionGracePeriodSeconds=30
             )
+            if group == 2:
+                pod["metadata"]["finalizers"] = ["kueue.x-k8s.io/managed"]
             pod["spec"]["nodeName"] = node
             kmock.objects[PODS, NS, f"p-g{group}-0"] = pod
         await eventually(lambda: (cr(kmock).get("status") or {}).get("forcedDeletions") == 1)
@@ -289,3 +295,6 @@ async def test_pods_stuck_on_a_lost_node_are_forced(kmock: kmock.KubernetesEmula
         assert cr(kmock)["status"]["forcedDeletions"] == 1
         events = [e for e in live(kmock, "v1/events").values() if e.get("reason") == "ForcedDeletion"]
         assert len(events) == 1 and "lost" in events[0]["message"]
+        assert deletions(kmock, "p-g2-0") == 0 and "p-g2-0" in live(kmock, PODS)
+        held = [e for e in live(kmock, "v1/events").values() if e.get("reason") == "StuckPod"]
+        assert len(held) == 1 and "kueue.x-k8s.io/managed" in held[0]["message"], held
