@@ -220,7 +220,9 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         log_dir = tempfile.mkdtemp(prefix="hostile-")
         argv = [sys.executable, "-m", "pipeserve.cli", "up", "--port", str(port), "--log-dir", log_dir]
-        up = subprocess.Popen([*argv, *args.up_args.split()], stdout=subprocess.DEVNULL)
+        with open(Path(log_dir) / "up.log", "ab") as log:  # its access log: a line per hostile request
+            up = subprocess.Popen([*argv, *args.up_args.split()], stdout=subprocess.DEVNULL, stderr=log)
+        print(f"pipeserve up: logs in {log_dir}", flush=True)
     try:
         wait_ready(url)
         stage0 = httpx.get(url + "/groups", timeout=5).json()[0]["health"][0]
