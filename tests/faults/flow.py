@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import httpx
-from checker import Load, Table, check
+from checker import Load, Outcome, Table, check
 from cluster import READY_AFTER_HEAL_S, RING_TIMEOUT_S, WEDGE_TIMEOUT_S, Cluster
 from oracle import cases
 
@@ -67,6 +67,7 @@ def cut_and_heal(
     seed: int,
     stops: bool,
     n: int = 12,
+    outcomes: list[Outcome] | None = None,
 ) -> Counter[str]:
     """The fault from 0.5 s into a load of n requests until `heal_s` after it. `stops`: the group
     must stop (every stage exits), the router answers 503, and the operator's answer, a whole-group
@@ -83,8 +84,10 @@ def cut_and_heal(
     heal()
     t_heal = time.monotonic()
     ready_after(c, t_heal, record=lambda s: table.record(fault, running.join(), s))
-    outcomes = running.join()
-    counts = check(outcomes)
+    done = running.join()
+    if outcomes is not None:
+        outcomes += done  # the caller's own assertions
+    counts = check(done)
     if stops:
         assert counts["error"] >= 1, counts  # the requests in flight at the stop
     else:

@@ -16,8 +16,8 @@ the forward link.
 from __future__ import annotations
 
 import pytest
-from checker import Table
-from cluster import WEDGE_TIMEOUT_S, Cluster
+from checker import Outcome, Table
+from cluster import FIRST_TOKEN_S, STREAM_IDLE_S, WEDGE_TIMEOUT_S, Cluster
 from faults_support import FAULTS, cluster_fixture, session_cluster, table_fixture  # noqa: F401  (fixtures)
 from flow import assert_serves, cut_and_heal
 
@@ -79,6 +79,7 @@ def test_router_stage0_partition(cluster: Cluster, table: Table, heal_s: float) 
     error and new requests get 503; after the heal the same group (no restart) serves right. Past
     the wedge timeout too: a stage whose client is gone is not wedged (its work ends)."""
     hosts = cluster.hosts
+    outcomes: list[Outcome] = []
     counts = cut_and_heal(
         cluster,
         table,
@@ -88,8 +89,12 @@ def test_router_stage0_partition(cluster: Cluster, table: Table, heal_s: float) 
         heal_s,
         seed=5,
         stops=False,
+        outcomes=outcomes,
     )
     if heal_s <= 1:
         assert counts["ok"] == sum(counts.values()), counts
     else:
         assert counts["error"] >= 1, counts
+    # every call ended by the router's own deadlines, not by the heal
+    seconds = sorted(o.seconds for o in outcomes)
+    assert seconds[-1] <= FIRST_TOKEN_S + STREAM_IDLE_S + 3, seconds
