@@ -68,8 +68,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = _WriteGuard(transport, self)  # type: ignore[assignment]
         self._arm()
+        self.transport = _WriteGuard(transport, self)  # type: ignore[assignment]
 
     def lost_on_write(self) -> None:
         """A write found the transport closing: the response stops now (connection_lost's part)."""
