@@ -2482,6 +2482,41 @@ MUTANTS = [
         "        if False:",
         "tests/k8s/test_operator_reconcile.py -k stuck",
     ),
+    (
+        "canary: rollout.partition ignored, every group takes the new spec (issue 31)",
+        "operator/pipeserve_operator/canary.py",
+        "        return self.update if index >= self.partition else self.current",
+        "        return self.update",
+        "tests/k8s/test_operator_canary.py",
+    ),
+    (
+        "canary: the previous spec forgotten before every group ran the new one (issue 31)",
+        "operator/pipeserve_operator/supervise.py",
+        "    promoted = seen.updated == replicas and not problem",
+        "    promoted = not problem",
+        "tests/k8s/test_operator_canary.py",
+    ),
+    (
+        "canary: Ready under a partition waits for groups it holds back (kubectl wait hangs) (issue 31)",
+        "operator/pipeserve_operator/supervise.py",
+        "        and seen.on_target == replicas",
+        "        and seen.updated == replicas",
+        "tests/k8s/test_operator_canary.py",
+    ),
+    (
+        "CEL cost: pod-level lists unbounded (the API server would refuse the CRD) (issue 31)",
+        "operator/pipeserve_operator/corev1.py",
+        '    return {"type": "array", "items": items, "maxItems": MAX_ITEMS, **extra}',
+        '    return {"type": "array", "items": items, **extra}',
+        "tests/k8s/test_crd_cel_cost.py",
+    ),
+    (
+        "typed spec: the model's bound not in the shipped CRD (generated schema drifts) (issue 31)",
+        "operator/pipeserve_operator/spec.py",
+        "                le=MAX_PARTITION,\n",
+        "",
+        "tests/k8s/test_chart.py -k crd_file",
+    ),
     # --- end issue 31 ---
 ]
 

@@ -2,7 +2,9 @@
 
     python -m pipeserve_operator.crd > charts/pipeserve/crds/inferencepipeline.yaml
 
-`crd_manifest()` is the whole CRD (apiextensions.k8s.io/v1). Defaults live only in the OpenAPI schema;
+`crd_manifest()` is the whole CRD (apiextensions.k8s.io/v1). The spec's schema is generated from the typed
+model in spec.py (its fields, defaults, bounds, enums and per-field CEL rules); the status's is here.
+Defaults live only in the OpenAPI schema;
 `with_defaults(spec)` applies them the way the API server does (walking the schema: a default fills a
 missing field, then that field's own properties are defaulted in turn), so the operator and the chart's
 tests never restate a default. What the schema cannot say (a list's length against another field, two
@@ -19,8 +21,7 @@ import sys
 from typing import Any
 
 from pipeserve.care.restarts import GroupPhase
-from pipeserve.config import POLICIES
-from pipeserve_operator import corev1
+from pipeserve_operator import spec as spec_model
 from pipeserve_operator.owned import (
     OWNED_ANNOTATIONS,
     OWNED_ENV,
@@ -31,7 +32,6 @@ from pipeserve_operator.owned import (
     RESERVED_FLAGS,
     cel_list,
 )
-from pipeserve_operator.pod import COLOCATE, DEVICES, GANGS
 
 GROUP, VERSION, PLURAL, KIND = "pipeserve.io", "v1alpha1", "inferencepipelines", "InferencePipeline"
 
@@ -48,147 +48,21 @@ def _obj(props: dict[str, Any], required: list[str] | None = None, **extra: Any)
 
 
 def _spec_schema() -> dict[str, Any]:
-    model = _obj(
+    """The typed model's schema (spec.py: fields, defaults, bounds, enums, the per-field CEL rules), with
+    the rules that span fields (here: they need owned.py's lists)."""
+    schema = spec_model.openapi_schema()
+    schema["x-kubernetes-validations"] = [
         {
-            "path": {**_STR, "minLength": 1, "description": "checkpoint directory inside the container"},
-            "persistentVolumeClaim": {**_STR, "description": "a PVC mounted read-only at mountPath"},
-            "hostPath": {**_STR, "description": "a node directory mounted read-only at mountPath"},
-            "mountPath": {**_STR, "default": "/models"},
-            "servedModelName": _STR,
+            "rule": "!has(self.layerSplit) || size(self.layerSplit) == self.stages",
+            "message": "layerSplit must have one entry per stage",
         },
-        ["path"],
-        **{
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!(has(self.persistentVolumeClaim) && has(self.hostPath))",
-                    "message": "model.persistentVolumeClaim and model.hostPath are mutually exclusive",
-                }
-            ]
-        },
-    )
-    hicache = _obj(
         {
-            "url": {**_STR, "description": "redis:// or rediss:// URL of the L3 tier"},
-            "secretRef": _obj({"name": _STR, "key": {**_STR, "default": "url"}}, ["name"]),
-            "hostCacheGB": {"type": "number", "minimum": 0},
+            "rule": "self.restartBackoffMaxSeconds >= self.restartBackoffSeconds",
+            "message": "restartBackoffMaxSeconds must be >= restartBackoffSeconds",
         },
-        None,
-        **{
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!(has(self.url) && has(self.secretRef))",
-                    "message": "hicache.url and hicache.secretRef are mutually exclusive",
-                }
-            ]
-        },
-    )
-    resources = _obj({"requests": _ANY_OBJECT, "limits": _ANY_OBJECT})
-    return _obj(
-        {
-            "model": model,
-            "stages": {**_INT, "minimum": 1, "maximum": 64, "default": 1},
-            "replicas": {**_INT, "minimum": 0, "default": 1},
-            "image": {**_STR, "minLength": 1},
-            "imagePullPolicy": {
-                **_STR,
-                "enum": ["Always", "IfNotPresent", "Never"],
-                "default": "IfNotPresent",
-            },
-            "resources": resources,
-            "layerSplit": {"type": "array", "items": {**_INT, "minimum": 1}, "maxItems": 64},
-            "engine": {
-                "type": "object",
-                "description": "engine flags without leading dashes: a value, or true for a bare flag",
-                "additionalProperties": {"x-kubernetes-preserve-unknown-fields": True},
-                "maxProperties": corev1.MAX_ITEMS,
-            },
-            "device": {
-                **_STR,
-                "enum": list(DEVICES),
-                "default": "auto",
-                "description": "auto: cuda when resources ask for nvidia.com/gpu, else cpu",
-            },
-            "shmSizeLimit": {
-                **corev1.QUANTITY,
-                "default": "1Gi",
-                "description": "size of the memory-backed /dev/shm of CUDA stage pods (NCCL)",
-            },
-            "hicache": hicache,
-            "router": _obj(
-                {
-                    "policy": {
-                        **_STR,
-                        "enum": list(POLICIES),  # the router's own list (pipeserve.config)
-                        "default": "round_robin",
-                    }
-                },
-                default={},
-            ),
-            "wedgeTimeoutSeconds": {**_INT, "minimum": 1, "default": 60},
-            "startupDeadlineSeconds": {**_INT, "minimum": 1, "default": 900},
-            "restartBackoffSeconds": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "default": 5},
-            "restartBackoffMaxSeconds": {
-                "type": "number",
-                "minimum": 0,
-                "exclusiveMinimum": True,
-                "default": 300,
-            },
-            "nodeSelector": {"type": "object", "additionalProperties": _STR},
-            "tolerations": corev1.array(corev1.toleration()),
-            "affinity": corev1.affinity(),
-            "env": corev1.array(corev1.env_var()),
-            "nccl": _obj({"socketIfname": _STR, "debug": _STR}),
-            **_pod_fields(),
-        },
-        ["model", "image"],
-        **{
-            "x-kubernetes-validations": [
-                {
-                    "rule": "!has(self.layerSplit) || size(self.layerSplit) == self.stages",
-                    "message": "layerSplit must have one entry per stage",
-                },
-                {
-                    "rule": "self.restartBackoffMaxSeconds >= self.restartBackoffSeconds",
-                    "message": "restartBackoffMaxSeconds must be >= restartBackoffSeconds",
-                },
-                *_owned_name_rules(),
-            ]
-        },
-    )
-
-
-def _pod_fields() -> dict[str, Any]:
-    """What the spec passes into every stage pod, and where the pods go (placement, rollout)."""
-    kueue_queue = {
-        "rule": "self.gang != 'kueue' || has(self.queueName)",
-        "message": "placement.queueName is required when placement.gang is kueue",
-    }
-    placement = _obj(
-        {
-            "colocate": {**_STR, "enum": list(COLOCATE), "default": "preferred"},
-            "topologyKey": {**_STR, "minLength": 1, "default": "kubernetes.io/hostname"},
-            "gang": {**_STR, "enum": list(GANGS), "default": "none"},
-            "queueName": {**_STR, "minLength": 1},
-        },
-        None,
-        default={},
-        **{"x-kubernetes-validations": [kueue_queue]},
-    )
-    return {
-        "envFrom": corev1.array(corev1.env_from_source()),
-        "volumes": corev1.array(corev1.volume()),
-        "volumeMounts": corev1.array(corev1.volume_mount()),
-        "podLabels": corev1.string_map(),
-        "podAnnotations": corev1.string_map(),
-        "imagePullSecrets": corev1.array(corev1.local_object_reference()),
-        "serviceAccountName": _STR,
-        "priorityClassName": _STR,
-        "runtimeClassName": _STR,
-        "schedulerName": _STR,
-        "topologySpreadConstraints": corev1.array(corev1.topology_spread_constraint()),
-        "placement": placement,
-        "rollout": _obj({"maxSurge": {**_INT, "minimum": 0, "maximum": 1}}),
-    }
+        *_owned_name_rules(),
+    ]
+    return schema
 
 
 def _owned_name_rules() -> list[dict[str, str]]:
@@ -271,6 +145,11 @@ def _status_schema() -> dict[str, Any]:
             "lastFailure": _STR,
             "selector": _STR,
             "groups": {"type": "array", "items": group},
+            # Canary rollouts (canary.py): the hashes of the resource's spec and of the spec every group
+            # ran last, and that spec itself (JSON text: a merge patch replaces a string whole).
+            "updateRevision": _STR,
+            "currentRevision": _STR,
+            "currentSpec": _STR,
             "conditions": {"type": "array", "items": condition},
         }
     )
@@ -324,6 +203,7 @@ def crd_manifest() -> dict[str, Any]:
                         _column("Stages", "integer", ".spec.stages"),
                         _column("Replicas", "integer", ".spec.replicas"),
                         _column("Ready", "integer", ".status.readyReplicas"),
+                        _column("Updated", "integer", ".status.updatedReplicas"),
                         _column("Restarts", "integer", ".status.restarts"),
                         _column("Age", "date", ".metadata.creationTimestamp"),
                     ],

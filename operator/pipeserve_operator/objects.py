@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -42,6 +43,7 @@ from pipeserve_operator.writes import Writer
 
 # Spec fields that never change what a group runs: how many groups, how they roll, the router, backoffs.
 _NOT_ROLLED = ("replicas", "rollout", "router", "restartBackoffSeconds", "restartBackoffMaxSeconds")
+NOT_ROLLED = _NOT_ROLLED  # canary.py: what every group takes from the resource, whatever its revision
 # Pod-spec keys the API server never defaults in a template: present on the live template while the
 # rendering has none = added by hand (drift a hash of the rendering cannot see).
 TEMPLATE_KEYS_CLEARED = (
@@ -166,14 +168,19 @@ def gang(spec: dict[str, Any]) -> str:
     return str((spec.get("placement") or {}).get("gang") or "none")
 
 
-async def ensure_pod_groups(writer: Writer, pipeline: dict, indices: list[int]) -> None:
+async def ensure_pod_groups(
+    writer: Writer, pipeline: dict, indices: list[int], view: Callable[[int], dict] | None = None
+) -> None:
     """With gang "volcano": a PodGroup for each group in `indices`; none for any other group (scaled
     away) and none at all under another gang mode (a pipeline switched from volcano to none or kueue).
-    NotFound: the PodGroup API is not served (raised only when PodGroups are wanted: without Volcano
-    there is nothing to remove)."""
+    `view(i)`: the pipeline as group i renders it (canary.py: a group below rollout.partition keeps the
+    previous spec, its gang mode and size included). NotFound: the PodGroup API is not served (raised
+    only when PodGroups are wanted: without Volcano there is nothing to remove)."""
     ns = pipeline["metadata"]["namespace"]
-    volcano = gang(pipeline["spec"]) == "volcano"
-    wanted = {pod_group_name(pipeline, i): pod_group(pipeline, i) for i in indices} if volcano else {}
+    views = {i: (view or (lambda _: pipeline))(i) for i in indices}
+    wanted = {
+        pod_group_name(pipeline, i): pod_group(v, i) for i, v in views.items() if gang(v["spec"]) == "volcano"
+    }
     try:
         listed = await writer.kube.list_pod_groups(ns, pipeline_selector(pipeline))
     except NotFound:

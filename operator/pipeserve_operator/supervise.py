@@ -29,6 +29,8 @@ import dataclasses
 import datetime
 from typing import Any
 
+import msgspec
+
 from pipeserve.care.restarts import (
     FleetGroup,
     GroupPhase,
@@ -38,7 +40,9 @@ from pipeserve.care.restarts import (
     may_roll,
     want_surge,
 )
-from pipeserve_operator import groups
+from pipeserve_operator import canary, groups
+from pipeserve_operator import spec as spec_model
+from pipeserve_operator.canary import Revisions
 from pipeserve_operator.crd import with_defaults
 from pipeserve_operator.kube import Conflict, Kube, NotFound
 from pipeserve_operator.objects import (
@@ -46,7 +50,6 @@ from pipeserve_operator.objects import (
     ensure_pdb,
     ensure_pod_groups,
     is_surge,
-    spec_hash,
 )
 from pipeserve_operator.observe import group_observation, pod_group
 from pipeserve_operator.resources import (
@@ -57,6 +60,7 @@ from pipeserve_operator.resources import (
     selector_string,
     stage_statefulset,
 )
+from pipeserve_operator.spec import PipelineSpec
 from pipeserve_operator.writes import Refusal, Writer
 
 LEGACY_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
@@ -67,11 +71,11 @@ def _entries(status: Any) -> dict[int, dict[str, Any]]:
     return {int(g["index"]): dict(g) for g in (status or {}).get("groups") or [] if "index" in g}
 
 
-def _policy(spec: dict[str, Any]) -> RestartPolicy:
+def _policy(spec: PipelineSpec) -> RestartPolicy:
     return RestartPolicy(
-        startup_deadline_s=float(spec["startupDeadlineSeconds"]),
-        backoff_s=float(spec["restartBackoffSeconds"]),
-        backoff_max_s=max(float(spec["restartBackoffMaxSeconds"]), float(spec["restartBackoffSeconds"])),
+        startup_deadline_s=float(spec.startupDeadlineSeconds),
+        backoff_s=spec.restartBackoffSeconds,
+        backoff_max_s=max(spec.restartBackoffMaxSeconds, spec.restartBackoffSeconds),
     )
 
 
@@ -144,10 +148,12 @@ async def free_stuck_pods(
 class Tick:
     """What one tick saw and decided, for the status."""
 
+    revs: Revisions  # the two specs (canary.py)
     entries: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     restarts: int = 0
     updated: int = 0
     present: set[int] = dataclasses.field(default_factory=set)
+    on_target: int = 0  # regular groups running the revision the partition gives them
     unensured: str = ""  # why an object of this generation could not be ensured (not observed)
     refused: list[Refusal] = dataclasses.field(default_factory=list)  # writes the API server refused
     conflicts: int = 0  # writes that raced another writer (retried next tick; not observed)
@@ -171,22 +177,33 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
     if meta.get("deletionTimestamp"):
         return None
     full = with_defaults(pipeline["spec"])
-    replicas, stages, now, digest = int(full["replicas"]), int(full["stages"]), memo.clock(), spec_hash(full)
-    problem, surge = "", 0
+    replicas, now = int(full["replicas"]), memo.clock()
+    revs = Revisions.of(pipeline, full, status)
+    problem, surge, typed = "", 0, None
     try:
+        typed = spec_model.parse(full)  # the typed spec (spec.py), read below instead of dict lookups
         stage_statefulset(pipeline, 0, 1)
-        surge = max_surge(replicas, (full.get("rollout") or {}).get("maxSurge"))
+        surge = max_surge(replicas, typed.rollout.maxSurge if typed.rollout else None)
+    except msgspec.ValidationError as e:  # a CR stored before a bound existed, or a schema skipped
+        problem = f"spec: {e}"
     except (SpecError, ValueError) as e:
         problem = str(e)
+    if not problem and revs.held_back():
+        try:
+            stage_statefulset(revs.view(0), 0, 1)
+        except SpecError as e:
+            problem = f"the previous spec, kept below rollout.partition: {e}"
     entries = _entries(status)
     pods = await kube.list_pods(ns, pipeline_selector(pipeline))
     sets = {
         int(s["metadata"]["labels"][GROUP_LABEL]): s
         for s in await kube.list_statefulsets(ns, pipeline_selector(pipeline))
     }
-    records = {i: groups.load_record(entries.get(i), digest) for i in set(sets) | set(range(replicas))}
+    records = {
+        i: groups.load_record(entries.get(i), revs.digest(i)) for i in set(sets) | set(range(replicas))
+    }
     by_group = {i: [p for p in pods if pod_group(p) == i] for i in records}
-    observed = {i: group_observation(by_group[i], stages, digest) for i in records}
+    observed = {i: group_observation(by_group[i], revs.stages(i), revs.digest(i)) for i in records}
 
     def outdated(i: int) -> bool:
         return any(s.outdated for s in observed[i].stages if s.generation == records[i].generation)
@@ -195,10 +212,11 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
     wanted = list(range(replicas))
     if not problem and want_surge(replicas, surge, fleet):
         wanted.append(replicas)
-        records.setdefault(replicas, groups.load_record(entries.get(replicas), digest))
-        observed.setdefault(replicas, group_observation(by_group.get(replicas, []), stages, digest))
+        records.setdefault(replicas, groups.load_record(entries.get(replicas), revs.digest(replicas)))
+        group = by_group.get(replicas, [])
+        observed.setdefault(replicas, group_observation(group, revs.stages(replicas), revs.digest(replicas)))
     extra = sorted(set(sets) - set(wanted))
-    seen = Tick(present=set(sets))
+    seen = Tick(revs, present=set(sets))
     if not problem:
         writer = Writer(memo, pipeline, now)
         for i in wanted:
@@ -206,18 +224,18 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
             live, surge_group = sets.get(i), i >= replicas
             generation = records[i].generation
             net = memo.network_policies
-            if await ensure_group(writer, pipeline, i, generation, live, net, stopped, surge_group):
+            if await ensure_group(writer, revs.view(i), i, generation, live, net, stopped, surge_group):
                 seen.present.add(i)
         await ensure_pdb(writer, pipeline)
         try:
-            await ensure_pod_groups(writer, pipeline, wanted + extra)
+            await ensure_pod_groups(writer, pipeline, wanted + extra, revs.view)
         except NotFound:  # the groups still run (unscheduled gangs are the scheduler's business)
             seen.unensured = (
                 "placement.gang volcano: the PodGroup API (scheduling.volcano.sh/v1beta1) is not served"
             )
         writer.finish()
         seen.refused, seen.conflicts = writer.refused, writer.conflicts
-    await _supervise(memo, pipeline, full, wanted, records, observed, by_group, entries, seen, problem)
+    await _supervise(memo, pipeline, typed, full, wanted, records, observed, by_group, entries, seen, problem)
     await _scale_down(memo, pipeline, extra, entries, wanted)
     forced = await free_stuck_pods(kube, pipeline, pods, now, memo.setdefault("held_pods", set()))
     new = _status(pipeline, full, status, seen, problem, forced, now)
@@ -228,6 +246,7 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
 async def _supervise(
     memo: Any,
     pipeline: dict,
+    typed: PipelineSpec | None,
     full: dict,
     wanted: list[int],
     records: dict,
@@ -237,20 +256,22 @@ async def _supervise(
     seen: Tick,
     problem: str,
 ) -> None:
-    now, digest, stages = memo.clock(), spec_hash(full), int(full["stages"])
+    now, revs = memo.clock(), seen.revs
     for index in wanted:
+        digest, stages = revs.digest(index), revs.stages(index)
         record = records[index]
-        if not problem and index in seen.present:
+        if typed is not None and not problem and index in seen.present:
             fleet = [FleetGroup(i, records[i].phase) for i in sorted(seen.present) if i in records]
             obs = dataclasses.replace(observed[index], may_roll=may_roll(index, fleet))
-            decision = decide(record, obs, _policy(full), now)
+            decision = decide(record, obs, _policy(typed), now)
             records[index] = decision.record
             await groups.act(memo.kube, pipeline, index, stages, decision, by_group.get(index, []))
             seen.restarts += decision.record.restarts - record.restarts
             record = decision.record
         current = [s for s in observed[index].stages if s.generation == record.generation]
         if index < int(full["replicas"]) and len(current) == stages and not any(s.outdated for s in current):
-            seen.updated += 1
+            seen.on_target += 1  # on its revision (canary.py): the update spec, or below the partition
+            seen.updated += digest == revs.update_revision
         seen.entries.append(groups.group_status(pipeline, index, record, entries.get(index), now, digest))
 
 
@@ -296,11 +317,20 @@ def _status(
     settled = (
         current
         and regular_ready == replicas
-        and seen.updated == replicas
+        and seen.on_target == replicas
         and {e["index"] for e in entries} == set(range(replicas))
         and seen.present == set(range(replicas))
     )
     degraded = bool(blocked or failed)
+    revs = seen.revs
+    # The update spec becomes the current one once every group runs it (canary.py), never a spec that
+    # failed to render.
+    promoted = seen.updated == replicas and not problem
+    held = (
+        f"; groups below rollout.partition {revs.partition} keep the previous spec"
+        if revs.held_back()
+        else ""
+    )
     why = blocked or (f"groups {failed} failed" if failed else "")
     last_failure = problem or next((e["lastFailure"] for e in entries if e["lastFailure"]), "")
     out: dict[str, Any] = {
@@ -312,12 +342,16 @@ def _status(
         "lastFailure": last_failure or status.get("lastFailure") or "",
         "selector": selector_string(pipeline_selector(pipeline)),
         "groups": entries,
+        "updateRevision": revs.update_revision,
+        "currentRevision": revs.update_revision if promoted else revs.current_revision,
+        canary.STATUS_FIELD: revs.stored(all_updated=promoted),
         "conditions": [
             _condition(
                 "Ready",
                 settled,
                 "AllGroupsReady" if settled else "GroupsNotReady",
-                f"{regular_ready}/{replicas} groups ready, {seen.updated}/{replicas} on the current spec",
+                f"{regular_ready}/{replicas} groups ready, {seen.updated}/{replicas} on the current spec"
+                + held,
                 previous,
                 stamp,
                 generation,

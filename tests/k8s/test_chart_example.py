@@ -58,7 +58,7 @@ def test_example_placement_and_rollout_reach_the_resource(tools: Tools) -> None:
 def test_values_schema_offers_the_resources_choices() -> None:
     values = json.loads((CHART / "values.schema.json").read_text())["properties"]["example"]["properties"]
     crd = spec_schema()["properties"]
-    for field in ("placement",):
+    for field in ("placement", "rollout"):
         assert set(values[field]["properties"]) == set(crd[field]["properties"]), field
     assert values["placement"]["properties"]["colocate"]["enum"] == list(COLOCATE)
     assert values["placement"]["properties"]["gang"]["enum"] == list(GANGS)

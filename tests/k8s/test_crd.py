@@ -54,6 +54,7 @@ def test_crd_is_a_valid_kubernetes_object() -> None:
         "Stages",
         "Replicas",
         "Ready",
+        "Updated",
         "Restarts",
         "Age",
     ]
