@@ -2405,7 +2405,7 @@ MUTANTS = [
         "tests/engine/test_grammar_pool.py -k cancelled",
     ),
     (
-        "grammar pool: not started before ready (the first structured request pays the start-up)",
+        "grammar pool: not started at start-up (the first structured request pays the start-up)",
         "services/pipeserve/stage/server.py",
         "    pool = await _grammar_pool(loop, status)\n",
         "    pool = None\n",

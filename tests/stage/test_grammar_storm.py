@@ -79,6 +79,20 @@ def _stage0(up: UpProcess) -> int:
     return int(up.groups()[0]["pids"]["0"])
 
 
+def _wait_for_workers(up: UpProcess, n: int, timeout_s: float = 120.0) -> None:
+    """Until stage 0's /metrics counts `n` warm grammar workers (they start beside the serving stage:
+    its Ready does not wait for their imports)."""
+    health = up.groups()[0]["health"][0]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in httpx.get(health + "/metrics", timeout=10).text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.split("{")[0] == "pipeserve:grammar_workers" and float(value) >= n:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} grammar workers warm after {timeout_s}s")
+
+
 def _post(up: UpProcess, body: dict) -> tuple[int, dict, float]:
     t0 = time.perf_counter()
     r = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=300)
@@ -86,7 +100,7 @@ def _post(up: UpProcess, body: dict) -> tuple[int, dict, float]:
 
 
 def test_the_first_structured_request_pays_no_start_up(up: UpProcess) -> None:
-    assert len(_children(_stage0(up))) == 2, "the grammar workers start before the stage is ready"
+    _wait_for_workers(up, 2)  # they start beside the serving stage (its Ready does not wait for them)
     small = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     first = _post(up, _body(small))
     second = _post(up, _body({**small, "properties": {"b": {"type": "integer"}}, "required": ["b"]}))

@@ -5,8 +5,8 @@ Why processes: an xgrammar compile cannot be cancelled, and one schema can take 
 (13 of 16 were refused "did not compile within 10 s") and kept burning CPU for 20-30 s after
 their answers. Here:
 * at most `workers` compiles run at once, each in its own process (niced, one thread), started
-  and warmed before the stage says ready (`start`: the tokenizer's grammar info is built once, in
-  stage 0's GrammarBook, and handed to each worker as xgrammar's JSON);
+  in the background once the tokenizer's grammar info is built (`start`: built once, in stage 0's
+  GrammarBook, before the stage says ready, and handed to each worker as xgrammar's JSON);
 * a spec waits for a free worker at most `queue_deadline_s`, and at most `max_queued` specs wait:
   past either it is `CompileBusy` (RESOURCE_EXHAUSTED: the router answers 429 or tries another
   group), a refusal of load, not of the spec;
@@ -109,6 +109,7 @@ class GrammarPool:
         self.queued = 0  # specs waiting for a worker
         self.running = 0  # specs a worker compiles now
         self.killed = 0  # workers killed (past the budget, cancelled, failed)
+        self._warm: set[_Worker] = set()  # live workers that said ready
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._live: set[_Worker] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -118,14 +119,23 @@ class GrammarPool:
         self._local_slot = asyncio.Semaphore(1)
         self._local = ThreadPoolExecutor(1, thread_name_prefix="grammar-local", initializer=_nice_thread)
 
-    async def start(self) -> int:
-        """Build the tokenizer's grammar info and start every worker; the number that started."""
+    async def start(self) -> None:
+        """Build the tokenizer's grammar info (here, before the stage says ready), then start the
+        workers in the background: each imports xgrammar and with it torch, 2-30 s of a busy
+        machine's CPU, which a group's restart must not wait for (its time to Ready). A spec sent
+        before one is up waits for it within the queue deadline, as behind a busy one."""
         self._info_json = await asyncio.to_thread(self.book.tokenizer_info_json)
-        started = await asyncio.gather(*(self._spawn() for _ in range(self.workers)))
-        return sum(started)
+        for _ in range(self.workers):
+            task = asyncio.ensure_future(self._spawn())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._live]
+
+    def warm(self) -> int:
+        """Workers started and ready to compile."""
+        return len(self._warm)
 
     async def _spawn(self) -> bool:
         if self._closed:
@@ -151,12 +161,15 @@ class GrammarPool:
         if self._closed:
             self._retire(worker, respawn_after_s=None)
             return False
+        self._warm.add(worker)
         self._idle.put_nowait(worker)
+        log.info("grammar worker %d ready (%d of %d)", proc.pid, len(self._live), self.workers)
         return True
 
     def _retire(self, worker: _Worker, respawn_after_s: float | None = 0.0) -> None:
         """Kill a worker (what it computes is abandoned) and start its replacement in the background."""
         self._live.discard(worker)
+        self._warm.discard(worker)
         self.killed += 1
         with contextlib.suppress(ProcessLookupError):
             worker.proc.kill()

@@ -201,19 +201,19 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 async def _grammar_pool(loop: EngineLoop, status: StageStatus) -> GrammarPool | None:
-    """The structured-output compilers, started (the tokenizer's grammar info built, each worker
-    warm) before the stage says ready: the first structured request pays no start-up."""
+    """The structured-output compilers: the tokenizer's grammar info built before the stage says
+    ready (the first structured request does not pay for it), the workers starting meanwhile."""
     book = loop.engine.grammar_book
     if book is None:
         return None
     pool = GrammarPool(book)
     try:
-        started = await pool.start()
+        await pool.start()
     except Exception as e:  # noqa: BLE001 - no tokenizer xgrammar can read: structured requests say so
         log.warning("structured outputs unavailable: %s: %s", type(e).__name__, e)
         await pool.close()
         return None
-    log.info("grammar compilers ready: %d of %d workers", started, pool.workers)
+    log.info("grammar info built; %d compiler workers starting", pool.workers)
     status.sources.append(lambda: grammar_metrics(pool))
     return pool
 
@@ -225,7 +225,7 @@ def grammar_metrics(pool: GrammarPool) -> dict[str, Metric]:
             "gauge", "structured specs waiting for a compiler", pool.queued
         ),
         p + "grammar_compiles_running": Metric("gauge", "structured specs compiling now", pool.running),
-        p + "grammar_workers": Metric("gauge", "grammar compiler processes alive", len(pool.pids())),
+        p + "grammar_workers": Metric("gauge", "grammar compiler processes started and ready", pool.warm()),
         p + "grammar_workers_killed": Metric(
             "counter", "compiler processes killed (past the budget, cancelled, failed)", pool.killed
         ),
