@@ -348,8 +348,8 @@ MUTANTS = [
     (
         "a batch takes one concurrency slot, whatever its prompts",
         "services/pipeserve/router/handlers.py",
-        "        slot = self.admission.acquire(len(req.prompts) * req.best_of, param)",
-        "        slot = self.admission.acquire(1, param)",
+        "        slot = self._acquire(len(req.prompts) * req.best_of, param)",
+        "        slot = self._acquire(1, param)",
         "tests/router/test_router_edge.py -k batch",
     ),
     (
@@ -848,16 +848,16 @@ MUTANTS = [
     ),
     (
         "co-location off by default",
-        "operator/pipeserve_operator/crd.py",
-        '"enum": ["preferred", "required", "none"], "default": "preferred"}',
-        '"enum": ["preferred", "required", "none"], "default": "none"}',
+        "operator/pipeserve_operator/spec.py",
+        '    colocate: Annotated[str, _enum(COLOCATE)] = "preferred"',
+        '    colocate: Annotated[str, _enum(COLOCATE)] = "none"',
         "tests/k8s/test_stage_pod.py -k colocation",
     ),
     (
         "kueue gang without placement.queueName admitted",
-        "operator/pipeserve_operator/crd.py",
-        '"rule": "self.gang != \'kueue\' || has(self.queueName)"',
-        '"rule": "self.gang != \'kueue\' || true"',
+        "operator/pipeserve_operator/spec.py",
+        '"self.gang != \'kueue\' || has(self.queueName)",',
+        '"self.gang != \'kueue\' || true",',
         "tests/k8s/test_crd_cel.py",
     ),
     (
@@ -1006,9 +1006,9 @@ MUTANTS = [
     (
         "operator: owned objects ensured only on a spec change",
         "operator/pipeserve_operator/supervise.py",
-        "    if not problem:\n        for i in wanted:",
-        '    if not problem and status.get("observedGeneration") != meta.get("generation"):\n'
-        "        for i in wanted:",
+        "    if not problem:\n        writer = Writer(memo, pipeline, now)",
+        '    if not problem and status.get("observedGeneration") != pipeline["metadata"].get("generation"):\n'
+        "        writer = Writer(memo, pipeline, now)",
         "tests/k8s/test_operator_reconcile.py -k owned_objects",
     ),
     (
@@ -1021,14 +1021,14 @@ MUTANTS = [
     (
         "operator: observedGeneration written before the generation's objects were ensured",
         "operator/pipeserve_operator/supervise.py",
-        '    observed = status.get("observedGeneration") if blocked else generation',
+        '    observed = status.get("observedGeneration") if blocked or seen.conflicts else generation',
         "    observed = generation",
         "tests/k8s/test_operator_reconcile.py -k 'invalid_spec or without_volcano'",
     ),
     (
         "operator: Ready ignores groups on an older spec",
         "operator/pipeserve_operator/supervise.py",
-        "        and seen.updated == replicas\n",
+        "        and seen.on_target == replicas\n",
         "",
         "tests/k8s/test_operator_reconcile.py -k 'ready_waits or older_spec'",
     ),
@@ -1092,8 +1092,8 @@ MUTANTS = [
     (
         "operator: PodGroups stay when placement.gang is no longer volcano",
         "operator/pipeserve_operator/objects.py",
-        '    volcano = gang(pipeline["spec"]) == "volcano"\n',
-        '    volcano = gang(pipeline["spec"]) == "volcano"\n    if not volcano:\n        return\n',
+        "    for name in sorted(set(live) - set(wanted)):\n        await writer.kube.delete_pod_group(ns, name)",
+        "    for name in sorted(set(live) - set(wanted) - set(live)):\n        await writer.kube.delete_pod_group(ns, name)",
         "tests/k8s/test_operator_writes.py -k 'removed_field and volcano'",
     ),
     (
