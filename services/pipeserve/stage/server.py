@@ -236,15 +236,17 @@ async def _serve(loop: EngineLoop, serve: StageServeConfig, status: StageStatus,
     # Tracing on: the official interceptor makes Generate's server span from the router's traceparent.
     interceptors = [generate_interceptor()] if tracing.enabled() else []
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    # Before anything that takes seconds (the tokenizer's grammar info): a SIGTERM meanwhile is a
+    # clean shutdown round the ring, not the default action's death of stage 0 alone.
+    aloop = asyncio.get_running_loop()
+    term = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, term.set)
     pool = await _grammar_pool(loop, status)
     service = GenerationService(loop, model_name, status, pool)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     port = server.add_insecure_port(f"{serve.host}:{serve.grpc_port}")
     await server.start()
-    aloop = asyncio.get_running_loop()
-    term = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aloop.add_signal_handler(sig, term.set)
     status.phase = ProcessPhase.READY
     log.info("stage 0 serving gRPC on %s:%d (model %s)", serve.host, port, model_name)
     while not term.is_set() and not loop.done.is_set():  # serving: until a signal or a group stop
