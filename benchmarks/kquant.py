@@ -86,8 +86,10 @@ def ensure_files(mixes: list[str]) -> dict[str, tuple[Path, Path]]:
     return out
 
 
-def peer_files() -> dict[str, tuple[Path, Path]]:
-    """llama-quantize's files of the same checkpoint (built and made if absent), converted."""
+def peer_files() -> dict[str, tuple[Path, Path | None]]:
+    """llama-quantize's files of the same checkpoint (built and made if absent), converted; a file
+    pipeserve refuses to convert (its error printed) is still cross-checked, not served (None)."""
+    from pipeserve.errors import ModelLoadError
     from pipeserve.model.default import CONVERTER_VERSION
     from pipeserve.model.gguf import convert_gguf
 
@@ -101,8 +103,13 @@ def peer_files() -> dict[str, tuple[Path, Path]]:
         src, conv = OUT / f"peer-{t}.gguf", OUT / f"peer-{t}-out-c{CONVERTER_VERSION}"
         if not src.exists():
             subprocess.run([str(QUANTIZE), str(PEER_F32), str(src), t], check=True, capture_output=True)
-        if not conv.exists():
-            convert_gguf(src, conv)
+        try:
+            if not conv.exists():
+                convert_gguf(src, conv)
+        except ModelLoadError as exc:
+            print(f"peer {t}: not served ({exc})", flush=True)
+            out[f"peer {t}"] = (src, None)
+            continue
         out[f"peer {t}"] = (src, conv)
     return out
 
@@ -152,9 +159,9 @@ def main() -> int:
     from pipeserve.model.gguf_blocks import GgufBlocks
 
     print(f"CPU: {cpu()}; load before: {os.getloadavg()}", flush=True)
-    files = ensure_files(args.mixes)
-    if args.peer:
-        files.update(peer_files())
+    files: dict[str, tuple[Path, Path]] = ensure_files(args.mixes)
+    peers = peer_files() if args.peer else {}
+    files.update({k: (src, conv) for k, (src, conv) in peers.items() if conv is not None})
     prompt = list(range(100, 132))
     rates: dict[str, list[float]] = {k: [] for k in files}
     weights: dict[str, int] = {}
@@ -188,7 +195,7 @@ def main() -> int:
             print(f"| {name} | {a.agreed}/{a.tokens} = {100 * a.rate:.1f} % | {a.exact_prefix}/{a.tokens} |")
     if args.peer and "Q4_K_M" in files:
         print("\n| tensor | type | identical bytes | rel. RMS of the difference |\n|---|---|---:|---:|")
-        print("\n".join(cross_check(files["Q4_K_M"][0], files["peer Q4_K_M"][0])))
+        print("\n".join(cross_check(files["Q4_K_M"][0], peers["peer Q4_K_M"][0])))
     if shutil.which("git"):
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
