@@ -71,6 +71,15 @@ def test_the_pre_tokenizers_differ_on_the_texts(tmp_path: Path) -> None:
         assert any(ours.encode(t).ids != swapped.encode(t).ids for t in TEXTS), other
 
 
+def test_llama_cpps_names_of_gpt2s_split_are_gpt2s(tmp_path: Path) -> None:
+    """llama.cpp's converter names GPT-2's pre-tokenizer "gpt-2" (Phi-2's "phi-2"): the same ids."""
+    meta = _gguf_meta(tmp_path, "llama3")
+    gpt2 = build_tokenizer({**meta, "tokenizer.ggml.pre": "gpt2"})
+    for name in ("gpt-2", "phi-2"):
+        named = build_tokenizer({**meta, "tokenizer.ggml.pre": name})
+        assert [named.encode(t).ids for t in TEXTS] == [gpt2.encode(t).ids for t in TEXTS], name
+
+
 def test_unsupported_tokenizers_are_refused_by_name(tmp_path: Path) -> None:
     meta = _gguf_meta(tmp_path, "llama3")
     with pytest.raises(ModelLoadError, match=r"pre-tokenizer 'tekken'; supported: .*llama-bpe.*qwen2"):

@@ -70,7 +70,9 @@ def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
 
 
 PRE_TOKENIZERS = {
-    "gpt2": lambda: _GPT2,
+    # "gpt-2" (and "phi-2"): what llama.cpp's converter names GPT-2's split (its GPT2 pre type), as in
+    # files llama-quantize makes from a GPT-2-tokenized checkpoint; "gpt2": pipeserve's own writer.
+    **dict.fromkeys(("gpt2", "gpt-2", "phi-2"), lambda: _GPT2),
     # llama.cpp's "smollm": every digit on its own (`\p{N}`), then GPT-2's regex.
     "smollm": lambda: pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), _GPT2]
