@@ -74,11 +74,10 @@ images:
 	docker build -f docker/router.Dockerfile -t $(IMAGE_REPO)/router:$(IMAGE_TAG) .
 	docker build -f docker/operator.Dockerfile -t $(IMAGE_REPO)/operator:$(IMAGE_TAG) .
 
-# The multi-host fault suite (tests/faults, root + ip netns) runs on its own: its start-up flakes are
-# fixed (the last stage warmed its grammar book before answering the ring's Hello; the harness read
-# namespace pids before the spawn entered them), but a group restart takes 40-55 s on a busy 2-core
-# machine (stage 0 starts its grammar workers, each importing torch, before it is ready), past the
-# suite's bound of wedge timeout + 10 s after a heal, and the suite past 5 minutes.
+# The multi-host fault suite (tests/faults, root + ip netns) runs on its own: it passes (12 of 12 in
+# 3 min 19 s) since stage 0's Ready no longer waits for its grammar workers, but beside two busy loops
+# 9 of 12 fail: its router/ring deadlines (8 s / 4 s) answer requests a starved machine is still
+# computing with clean errors where the tests expect answers (benchmarks/RESULTS.md, issue 29).
 # `python tests/faults/table.py` runs it and prints the fault table (benchmarks/RESULTS.md).
 test: lint redis-server k8s-tools
 	$(PY) -m pytest -q -m "not faults"
