@@ -856,8 +856,8 @@ MUTANTS = [
     (
         "kueue gang without placement.queueName admitted",
         "operator/pipeserve_operator/spec.py",
-        '"self.gang != \'kueue\' || has(self.queueName)",',
-        '"self.gang != \'kueue\' || true",',
+        "\"self.gang != 'kueue' || has(self.queueName)\",",
+        "\"self.gang != 'kueue' || true\",",
         "tests/k8s/test_crd_cel.py",
     ),
     (
@@ -1092,8 +1092,8 @@ MUTANTS = [
     (
         "operator: PodGroups stay when placement.gang is no longer volcano",
         "operator/pipeserve_operator/objects.py",
-        "    for name in sorted(set(live) - set(wanted)):\n        await writer.kube.delete_pod_group(ns, name)",
-        "    for name in sorted(set(live) - set(wanted) - set(live)):\n        await writer.kube.delete_pod_group(ns, name)",
+        "    for name in sorted(set(live) - set(wanted)):\n",
+        "    for name in sorted(set(live) - set(wanted) - set(live)):\n",
         "tests/k8s/test_operator_writes.py -k 'removed_field and volcano'",
     ),
     (
@@ -2464,8 +2464,10 @@ MUTANTS = [
     (
         "chart: the router is passed --policy, overriding live edits of spec.router.policy (issue 31)",
         "charts/pipeserve/templates/router-deployment.yaml",
-        "            {{- /* No --policy: it would override live edits of each pipeline's spec.router.policy. */}}\n",
-        "            {{- with $r.policy }}\n            - --policy\n            - {{ . | quote }}\n            {{- end }}\n",
+        "            {{- /* No --policy: it would override live edits of each pipeline's spec.router.policy."
+        " */}}\n",
+        "            {{- with $r.policy }}\n            - --policy\n"
+        "            - {{ . | quote }}\n            {{- end }}\n",
         "tests/k8s/test_chart_example.py -k policy",
     ),
     (
@@ -2518,6 +2520,13 @@ MUTANTS = [
         "tests/k8s/test_chart.py -k crd_file",
     ),
     # --- end issue 31 ---
+    (
+        "kind.sh's dry run validates nothing it would apply (issue 31)",
+        "tests/e2e/kind.sh",
+        '        kubernetes_validate.validate(obj, "1.35", strict=True)\n',
+        "        pass\n",
+        "tests/k8s/test_kind_dry_run.py",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
