@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from arch_support import write_hf_checkpoint
+from kmock_support import ApiServer
 
 from metrics_support import live_scrape  # noqa: F401  (a session fixture: one live scrape for tests/obs)
 from pipeserve import LLM
@@ -154,3 +155,11 @@ def record_plans(llm: LLM) -> list[StepPlan]:
 
     llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
     return plans
+
+
+@pytest.fixture()
+def kmock_options(kmock_options: dict) -> dict:
+    """Every `kmock` fixture is kmock_support.ApiServer: resource versions, PUT, preconditions (one
+    conftest for the tree: a second one in tests/k8s would be imported as `conftest` too and shadow
+    this module for the tests that import its helpers)."""
+    return {**kmock_options, "cls": ApiServer}

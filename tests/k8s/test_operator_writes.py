@@ -1,4 +1,4 @@
-"""Owned objects written whole (writes.py) against kmock with resource versions and PUT (apiserver.py).
+"""Owned objects written whole (writes.py) against kmock with resource versions and PUT (kmock_support.py).
 
 Every optional field of the spec, and every placement mode, is set and then removed: gone from the
 StatefulSet's template, from the pods the StatefulSet controller makes afterwards, and (gang volcano →

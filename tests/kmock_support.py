@@ -1,7 +1,7 @@
 """kmock's KubernetesEmulator, with what the operator's writes need from a real API server.
 
 kmock stores objects and merges every PATCH into them; it knows neither resource versions nor PUT.
-`ApiServer` (every `kmock` fixture in tests/k8s, through conftest.py) adds, as the API server does:
+`ApiServer` (every `kmock` fixture, through tests/conftest.py) adds, as the API server does:
 
 * `metadata.resourceVersion`: every write through the API (POST, PATCH, PUT) stores a new one, a
   counter, as a string (clients only compare it for equality).
