@@ -49,12 +49,15 @@ def test_prefixes_from_l3_are_hf_exact(llama_dir: Path, server: LocalRedis, stag
     want = _want(llama_dir, prompts)
     first, cold, preempted_cold = run_llm(llama_dir, stages, prompts, hicache_url=server.url, **L3_ONLY)
     assert first == want
-    assert cold.hit_tokens["l3"] == 0
     assert all(stage_keys(redis.Redis.from_url(server.url), k) for k in range(stages))
     # A new group (nothing in its L1, no L2): the prefixes come from Redis.
     again, warm, preempted = run_llm(llama_dir, stages, prompts, hicache_url=server.url, **L3_ONLY)
     assert again == want
     assert warm.hit_tokens["l3"] >= 40 * 3, warm  # at least each family's shared prefix once
+    # The cold group may load a few blocks it wrote itself (a family's shared prefix evicted from
+    # its small pool by a preemption before the family's next prompt is admitted); the new group
+    # finds more: everything the cold one computed.
+    assert cold.hit_tokens["l3"] < warm.hit_tokens["l3"], (cold, warm)
     assert set(warm.loads) == {"ok"}, warm.loads
     assert preempted_cold + preempted > 0  # (the warm pass's loads may stagger its admissions)
 
