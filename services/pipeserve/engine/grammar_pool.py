@@ -163,7 +163,7 @@ class GrammarPool:
             return False
         self._warm.add(worker)
         self._idle.put_nowait(worker)
-        log.info("grammar worker %d ready (%d of %d)", proc.pid, len(self._live), self.workers)
+        log.debug("grammar worker %d ready (%d of %d)", proc.pid, len(self._warm), self.workers)
         return True
 
     def _retire(self, worker: _Worker, respawn_after_s: float | None = 0.0) -> None:
