@@ -3,6 +3,7 @@ creates for the other architectures (arch_support.py), and the HF oracle."""
 
 from __future__ import annotations
 
+import json
 import random
 from functools import cache
 from pathlib import Path
@@ -122,6 +123,56 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_e
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
     """Greedy continuation by transformers, one prompt at a time (no padding)."""
     return list(_hf_greedy(str(path), tuple(prompt), max_new_tokens, ignore_eos))
+
+
+@cache
+def _grammar_compiler(path: str):
+    """xgrammar's compiler over the checkpoint's tokenizer, as a stage builds it (engine/grammar.py)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pipeserve.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(path, torch.float32)
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(path), vocab_size=cfg.vocab_size, stop_token_ids=list(cfg.eos_token_ids)
+    )
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def hf_constrained_greedy(
+    path: Path, prompt: list[int], kind: str, text: str, compact: bool, max_new_tokens: int
+) -> list[int]:
+    """transformers' greedy generate under a structured-output constraint, with xgrammar's own HF
+    logits processor over the grammar a stage compiles for it: JSON compact (no free whitespace) or
+    with at most JSON_MAX_WHITESPACE in a row, a regex, or a choice."""
+    import xgrammar as xgr
+
+    from pipeserve.engine.grammar import JSON_MAX_WHITESPACE, choice_grammar
+
+    c = _grammar_compiler(str(path))
+    ws = {"any_whitespace": False} if compact else {"max_whitespace_cnt": JSON_MAX_WHITESPACE}
+    if kind == "json":
+        g = c.compile_json_schema(text, **ws)
+    elif kind == "json_object":
+        g = c.compile_json_schema('{"type": "object"}', **ws)
+    elif kind == "regex":
+        g = c.compile_regex(text)
+    elif kind == "choice":
+        g = c.compile_grammar(choice_grammar(json.loads(text)))
+    else:
+        raise ValueError(f"unknown structured kind {kind!r}")
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = _hf_model(str(path)).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=[xgr.contrib.hf.LogitsProcessor(g)],
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logits(path: Path, prompt: list[int]) -> torch.Tensor:

@@ -6,16 +6,14 @@ before admission; a terminated grammar finishes the request even with ignore_eos
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import hf_constrained_greedy, hf_greedy, random_prompts
 from pipeserve import LLM
-from pipeserve.engine.grammar import JSON_MAX_WHITESPACE, choice_grammar
 from pipeserve.errors import InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.sampling_params import SamplingParams
@@ -38,51 +36,8 @@ SPECS = [
 MAX_TOKENS = 24
 
 
-@cache
-def _compiler(path: str):
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    cfg = ModelConfig.from_dir(path, torch.float32)
-    info = xgr.TokenizerInfo.from_huggingface(
-        AutoTokenizer.from_pretrained(path), vocab_size=cfg.vocab_size, stop_token_ids=list(cfg.eos_token_ids)
-    )
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-
-
 def _oracle(path: Path, prompt: list[int], kind: str, text: str, compact: bool) -> list[int]:
-    """transformers' greedy generate with xgrammar's own HF logits processor."""
-    import xgrammar as xgr
-
-    c = _compiler(str(path))
-    ws = {"any_whitespace": False} if compact else {"max_whitespace_cnt": JSON_MAX_WHITESPACE}
-    if kind == "json":
-        g = c.compile_json_schema(text, **ws)
-    elif kind == "json_object":
-        g = c.compile_json_schema('{"type": "object"}', **ws)
-    elif kind == "regex":
-        g = c.compile_regex(text)
-    else:
-        g = c.compile_grammar(choice_grammar(json.loads(text)))
-    model = _model(str(path))
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            logits_processor=[xgr.contrib.hf.LogitsProcessor(g)],
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-@cache
-def _model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_constrained_greedy(path, prompt, kind, text, compact, MAX_TOKENS)
 
 
 def _params(kind: str, text: str, compact: bool, **kw) -> SamplingParams:

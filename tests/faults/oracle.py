@@ -13,11 +13,9 @@ import json
 from functools import cache
 from pathlib import Path
 
-import torch
 from checker import Case
 
-from conftest import hf_greedy, random_prompts
-from pipeserve.model.config import ModelConfig
+from conftest import hf_constrained_greedy, hf_greedy, random_prompts
 from pipeserve.router.structured import parse_structured
 
 MAX_TOKENS = 6
@@ -29,43 +27,11 @@ SCHEMA = {
 
 
 @cache
-def _compiler(path: str):
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    cfg = ModelConfig.from_dir(path, torch.float32)
-    info = xgr.TokenizerInfo.from_huggingface(
-        AutoTokenizer.from_pretrained(path), vocab_size=cfg.vocab_size, stop_token_ids=list(cfg.eos_token_ids)
-    )
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-
-
-@cache
-def _model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@cache
 def constrained_greedy(path: Path, prompt: tuple[int, ...], body_json: str, max_tokens: int) -> list[int]:
     """transformers' greedy ids under the request's json_schema, as the router hands it to stage 0."""
-    import xgrammar as xgr
-
     spec = parse_structured(json.loads(body_json))
     assert spec is not None and spec.kind == "json", spec
-    grammar = _compiler(str(path)).compile_json_schema(spec.text, any_whitespace=not spec.compact)
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = _model(str(path)).generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_constrained_greedy(path, list(prompt), "json", spec.text, spec.compact, max_tokens)
 
 
 def cases(model_dir: Path, n: int, seed: int, lo: int = 10, hi: int = 40) -> list[Case]:
