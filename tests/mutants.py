@@ -2527,6 +2527,20 @@ MUTANTS = [
         "        pass\n",
         "tests/k8s/test_kind_dry_run.py",
     ),
+    (
+        "decodes not shared by family: a fan-out's rows all run in every plan (issue 29)",
+        "services/pipeserve/engine/fairness.py",
+        "    if rows is None or len(reqs) <= rows:",
+        "    if True:",
+        "tests/engine/test_fair_schedule.py -k 'turns or share_decodes'",
+    ),
+    (
+        "decode share takes a family's first rows, not those furthest behind (issue 29)",
+        "services/pipeserve/engine/fairness.py",
+        "        keep.update(sorted(ix, key=lambda i: (reqs[i].num_tokens, i))[:cap])",
+        "        keep.update(ix[:cap])",
+        "tests/engine/test_fair_schedule.py -k 'turns or share_decodes'",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -10,7 +10,14 @@ largest by preemption.
 from __future__ import annotations
 
 from pipeserve.engine.block_manager import BlockManager
-from pipeserve.engine.fairness import MIN_PREFILL_TOKENS, StepPace, family, water_fill
+from pipeserve.engine.fairness import (
+    MIN_DECODE_ROWS,
+    MIN_PREFILL_TOKENS,
+    StepPace,
+    family,
+    share_decodes,
+    water_fill,
+)
 from pipeserve.engine.plan import PromptScores, SampledToken, StageReport, StepOutput, StepPlan
 from pipeserve.engine.request import Request
 from pipeserve.engine.scheduler import Scheduler
@@ -102,3 +109,41 @@ def test_waiting_families_are_admitted_round_robin() -> None:
     plan = s.schedule()
     ids = [c.req_id for c in plan.chunks]
     assert "cmpl-b-0" in ids and len(ids) == 4, ids
+
+
+def test_a_fanout_decodes_in_turns_and_others_decode_every_plan() -> None:
+    # 0.25 s / 0.01 s a row: 25 rows, raised to MIN_DECODE_ROWS (32) a plan.
+    s = paced(0.25, 0.01, max_num_seqs=256)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for k in range(100):
+        s.add(Request(f"cmpl-fan-0-{k}", [1, 2, 3], params))
+    s.add(Request("cmpl-small-0", [4, 5, 6], params))
+    for _ in range(50):  # prompts: the pace admits them over the first plans
+        if all(r.output_token_ids for r in s.requests.values()):
+            break
+        complete(s, s.schedule())
+    assert all(r.output_token_ids for r in s.requests.values()), "every prompt admitted and computed"
+    seen = []
+    for _ in range(20):
+        plan = s.schedule()
+        ids = [c.req_id for c in plan.chunks]
+        assert len(ids) <= MIN_DECODE_ROWS, len(ids)
+        assert "cmpl-small-0" in ids, "the unrelated request waited a plan behind the fan-out"
+        seen.append(ids)
+        complete(s, plan)
+    made = [len(s.requests[f"cmpl-fan-0-{k}"].output_token_ids) for k in range(100)]
+    assert max(made) - min(made) <= 1, "siblings decode in turns, none left behind"
+    assert min(made) >= 5, made
+
+
+def test_share_decodes_splits_rows_max_min_by_family() -> None:
+    reqs = [Request(f"cmpl-a-0-{k}", [1] * (5 + k % 3), PARAMS) for k in range(50)]
+    reqs += [Request(f"cmpl-b-{k}", [1], PARAMS) for k in range(3)]
+    got = share_decodes(reqs, 32)
+    assert [r.req_id for r in got if r.req_id.startswith("cmpl-b")] == ["cmpl-b-0", "cmpl-b-1", "cmpl-b-2"]
+    fan = [r for r in got if r.req_id.startswith("cmpl-a")]
+    assert len(fan) == 29 and all(r.num_tokens == 5 or r.num_tokens == 6 for r in fan), (
+        "furthest behind first"
+    )
+    assert got == [r for r in reqs if r in got], "order kept"
+    assert share_decodes(reqs, None) == reqs and share_decodes(reqs, 60) == reqs

@@ -7,8 +7,11 @@ Three rules, each the scheduler's (engine/scheduler.py) and so decided on stage 
   token). Stage 0 measures what plans cost — the stages' busy seconds for each plan (the sum
   over stages: a request's step crosses every one of them) per unit of cost — and sizes the
   prefill and scoring part of each plan so a plan is predicted to take at most `target_s`.
-  Decodes always run (one token per running request); prompts and scoring fill what is left, at
-  least MIN_PREFILL_TOKENS a plan so a long prompt still progresses. A long prompt therefore
+  Decodes run first (one token per running request), at most as many rows as the pace allows
+  (never fewer than MIN_DECODE_ROWS): past that, each family gets a max-min fair share of the
+  rows (`share_decodes`), so n=128 siblings decode in turns and an unrelated request still gets
+  a token every plan. Prompts and scoring fill what is left, at least MIN_PREFILL_TOKENS a plan
+  so a long prompt still progresses. A long prompt therefore
   never holds the batch for seconds, and an abort (applied between steps) takes effect within
   one short step.
 * **Water-filling** (`water_fill`): the prompt share of a plan is split max-min fairly between
@@ -29,13 +32,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pipeserve.engine.plan import StageReport, StepPlan
+
+if TYPE_CHECKING:
+    from pipeserve.engine.request import Request
 
 MIN_PREFILL_TOKENS = 16  # a plan's prompt share never falls under this (a long prompt progresses)
 BOOT_TOKENS = 256  # the prompt share before any plan was measured
 PACE_MIN_COST = 16  # plans cheaper than this are not measured (fixed overheads dominate them)
 PACE_WEIGHT = 0.3  # weight of the newest measurement in the moving average
+# A plan's decode rows never fall under this: below it a plan's fixed costs dominate, and a family
+# of this many siblings or fewer always decodes whole.
+MIN_DECODE_ROWS = 32
 
 
 def plan_cost(plan: StepPlan) -> int:
@@ -75,6 +85,28 @@ class StepPace:
         if self.s_per_token is None:
             return BOOT_TOKENS
         return max(MIN_PREFILL_TOKENS, int(self.target_s / self.s_per_token) - decodes)
+
+    def decode_rows(self) -> int | None:
+        """Decode rows a plan may hold (the rest wait a plan); None: every row."""
+        if self.target_s is None or self.s_per_token is None:
+            return None
+        return max(MIN_DECODE_ROWS, int(self.target_s / self.s_per_token))
+
+
+def share_decodes(reqs: Sequence[Request], rows: int | None) -> list[Request]:
+    """The decoding requests `reqs` (oldest first) a plan takes within `rows`: all of them when
+    they fit; else each family at most a max-min fair share of the rows, its requests furthest
+    behind first (fewest tokens: siblings stay within a token of each other). Order kept."""
+    if rows is None or len(reqs) <= rows:
+        return list(reqs)
+    by_family: dict[str, list[int]] = {}
+    for i, r in enumerate(reqs):
+        by_family.setdefault(family(r.req_id), []).append(i)
+    cap = water_fill([len(ix) for ix in by_family.values()], rows)
+    keep: set[int] = set()
+    for ix in by_family.values():
+        keep.update(sorted(ix, key=lambda i: (reqs[i].num_tokens, i))[:cap])
+    return [r for i, r in enumerate(reqs) if i in keep]
 
 
 def water_fill(needs: Iterable[int], budget: int) -> int:

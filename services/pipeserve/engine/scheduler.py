@@ -31,7 +31,7 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
-from pipeserve.engine.fairness import StepPace, fair_order, family, plan_cost, water_fill
+from pipeserve.engine.fairness import StepPace, fair_order, family, plan_cost, share_decodes, water_fill
 from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import (
     BlockCopy,
@@ -114,9 +114,10 @@ class Scheduler:
         l3_loads: list[LoadOrder] = []
         self.fetch.take_probe_answers(self.requests)
         self._rebalance_seats()
-        # Decodes first (one token each), then the prompt share (engine/fairness.py): the step
-        # pace's limit, split max-min fairly between running prompts and the admissible waiting.
-        decoding = [r for r in self.running if self._wants(r) == 1]
+        # Decodes first (one token each; past the pace's rows, a fair share per family), then the
+        # prompt share (engine/fairness.py): the step pace's limit, split max-min fairly between
+        # running prompts and the admissible waiting.
+        decoding = share_decodes([r for r in self.running if self._wants(r) == 1], self.pace.decode_rows())
         budget, preempted = self._schedule_running(decoding, budget, chunks)
         share = self.pace.prompt_share(len(chunks))
         prompt = budget if share is None else min(budget, share)
