@@ -153,6 +153,17 @@ class Cluster:
         wait_until(ready, timeout_s, "every stage and the router ready", interval_s=0.1)
         return time.monotonic() - t0
 
+    def wait_compilers(self, timeout_s: float = 120) -> None:
+        """Stage 0's grammar compiler workers are up: they start beside the ready stage (its time to
+        Ready does not wait for their imports, 2-30 s of CPU here), and a structured request sent
+        before one is warm waits for it, past this harness's 8 s to a first message."""
+        wait_until(
+            lambda: self.stage0_metric("pipeserve:grammar_workers") >= 1,
+            timeout_s,
+            "a grammar compiler worker of stage 0 warm",
+            interval_s=0.2,
+        )
+
     def blocks_used(self) -> dict[str, float | None]:
         """KV blocks held by requests: stage 0's pool, and each stage's own count as it reported it
         along the ring after the last step (a follower's side port has no engine gauges)."""

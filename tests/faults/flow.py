@@ -22,7 +22,9 @@ def load(c: Cluster, n: int, seed: int, gap_s: float = 0.1, lo: int = 10, hi: in
 
 
 def assert_serves(c: Cluster, seed: int) -> None:
-    """A fresh load all answered right (the group serves), then every stage holds 0 blocks."""
+    """A fresh load all answered right (the group serves, its compilers warm), then every stage
+    holds 0 blocks."""
+    c.wait_compilers()
     counts = check(load(c, 6, seed).join())
     assert counts["ok"] == 6, counts
     c.assert_blocks_freed()

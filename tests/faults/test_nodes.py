@@ -61,12 +61,12 @@ def test_a_frozen_host(cluster: Cluster, table: Table) -> None:
     assert_serves(cluster, seed=10)
 
 
-@pytest.mark.parametrize("host", ["s0"])
+@pytest.mark.parametrize("host", ["s0", "s1"])
 def test_a_node_back_with_a_new_address(cluster: Cluster, table: Table, host: str) -> None:
     """The host's processes killed (the node is gone) under load; it comes back with another
     address; the group, restarted whole, finds it by name and serves right. Stage 0's node: the
-    rendezvous' master and the router's upstream move (a follower's move is the easier case:
-    only its own announcement to the store changes)."""
+    rendezvous' master and the router's upstream move; a follower's node: its announcement to
+    the store and its ring links (stage 0's next peer) move."""
     running = load(cluster, 8, seed=11, gap_s=0.3)
     time.sleep(0.5)
     cluster.hosts.kill_host(host)

@@ -5,8 +5,9 @@ Why processes: an xgrammar compile cannot be cancelled, and one schema can take 
 (13 of 16 were refused "did not compile within 10 s") and kept burning CPU for 20-30 s after
 their answers. Here:
 * at most `workers` compiles run at once, each in its own process (niced, one thread), started
-  in the background once the tokenizer's grammar info is built (`start`: built once, in stage 0's
-  GrammarBook, before the stage says ready, and handed to each worker as xgrammar's JSON);
+  before the tokenizer's grammar info is built, so their imports overlap it (`start`: the info is
+  built once, in stage 0's GrammarBook, before the stage says ready, and handed to each worker as
+  xgrammar's JSON in the background);
 * a spec waits for a free worker at most `queue_deadline_s`, and at most `max_queued` specs wait:
   past either it is `CompileBusy` (RESOURCE_EXHAUSTED: the router answers 429 or tries another
   group), a refusal of load, not of the spec;
@@ -120,13 +121,15 @@ class GrammarPool:
         self._local = ThreadPoolExecutor(1, thread_name_prefix="grammar-local", initializer=_nice_thread)
 
     async def start(self) -> None:
-        """Build the tokenizer's grammar info (here, before the stage says ready), then start the
-        workers in the background: each imports xgrammar and with it torch, 2-30 s of a busy
-        machine's CPU, which a group's restart must not wait for (its time to Ready). A spec sent
-        before one is up waits for it within the queue deadline, as behind a busy one."""
+        """Start the workers, then build the tokenizer's grammar info (here, before the stage says
+        ready) and hand it to them in the background. Each worker imports xgrammar, and with it
+        torch, as soon as it starts (2-30 s of a busy machine's CPU, niced): that overlaps the info
+        build, and a group's restart does not wait for it (its time to Ready). A spec sent before a
+        worker is up waits for it within the queue deadline, as behind a busy one."""
+        launched = [await self._launch() for _ in range(self.workers)]
         self._info_json = await asyncio.to_thread(self.book.tokenizer_info_json)
-        for _ in range(self.workers):
-            task = asyncio.ensure_future(self._spawn())
+        for worker in launched:
+            task = asyncio.ensure_future(self._handshake(worker))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -137,9 +140,7 @@ class GrammarPool:
         """Workers started and ready to compile."""
         return len(self._warm)
 
-    async def _spawn(self) -> bool:
-        if self._closed:
-            return False
+    async def _launch(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -150,6 +151,17 @@ class GrammarPool:
         )
         worker = _Worker(proc)
         self._live.add(worker)
+        return worker
+
+    async def _spawn(self) -> bool:
+        if self._closed:
+            return False
+        return await self._handshake(await self._launch())
+
+    async def _handshake(self, worker: _Worker) -> bool:
+        """Send the tokenizer's info; the worker is idle once it answers ready (it has imported
+        xgrammar and built its compiler)."""
+        proc = worker.proc
         try:
             reply = await asyncio.wait_for(worker.call({"tokenizer_info": self._info_json}), START_DEADLINE_S)
             if reply.get("ready") is not True:
@@ -316,12 +328,18 @@ def worker_main() -> None:
     frames_in = sys.stdin.buffer
     frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt a frame
+    try:
+        import xgrammar as xgr  # before the first frame: the import overlaps stage 0's info build
+    except Exception as e:  # noqa: BLE001 - told to stage 0 once it asks, which logs it and retries later
+        failed: str | None = f"{type(e).__name__}: {e}"
+    else:
+        failed = None
     first = _read(frames_in)
     if first is None:
         return
     try:
-        import xgrammar as xgr
-
+        if failed is not None:
+            raise RuntimeError(failed)
         compiler = new_compiler(xgr.TokenizerInfo.deserialize_json(first["tokenizer_info"]))
     except Exception as e:  # noqa: BLE001 - told to stage 0, which logs it and retries later
         _write(frames_out, {"error": f"{type(e).__name__}: {e}"})
