@@ -1514,7 +1514,7 @@ MUTANTS = [
     ),
     (
         "config refuses weight-only quantization on CUDA although triton is installed",
-        "services/pipeserve/config.py",
+        "services/pipeserve/config/engine.py",
         'self.device.split(":")[0] == "cpu" or _triton_installed(),',
         'self.device.split(":")[0] == "cpu",',
         "tests/model/test_gguf_blocks.py -k accepted_on_cuda",
@@ -2540,6 +2540,48 @@ MUTANTS = [
         "        keep.update(sorted(ix, key=lambda i: (reqs[i].num_tokens, i))[:cap])",
         "        keep.update(ix[:cap])",
         "tests/engine/test_fair_schedule.py -k 'turns or share_decodes'",
+    ),
+    (
+        "a config field loses its help",
+        "services/pipeserve/config/engine.py",
+        'opt(256, "sequences batched at once", group=S, range=">= 1")',
+        'opt(256, "", group=S, range=">= 1")',
+        "tests/test_configuration.py -k 'declared_with_help or explained'",
+    ),
+    (
+        "docs/configuration.md stale after a field's declaration changes",
+        "services/pipeserve/config/engine.py",
+        '"token budget of one step (one microbatch)", group=S, unit="tokens"',
+        '"token budget of one step (one microbatch)", group=S, unit="tok"',
+        "tests/test_configuration_docs.py -k fresh",
+    ),
+    (
+        "an internal field shown by --help",
+        "services/pipeserve/config/flags.py",
+        '        shown = argparse.SUPPRESS if f.metadata.get("internal") else help_text(f)',
+        "        shown = help_text(f)",
+        "tests/test_configuration.py -k hidden",
+    ),
+    (
+        "a declared range not checked",
+        "services/pipeserve/config/fields.py",
+        "        if rule and value is not None and not in_range(value, rule):",
+        "        if False:",
+        "tests/test_configuration.py -k ranges",
+    ),
+    (
+        "a PIPESERVE_ variable read outside env.py",
+        "services/pipeserve/obs/flight.py",
+        '    return pipeserve_env.home() / "flight"',
+        '    return Path(os.environ.get("PIPESERVE_HOME") or Path.home() / ".cache/pipeserve") / "flight"',
+        "tests/test_configuration_env.py -k only_env",
+    ),
+    (
+        "a config field's default declared a second time beside its flag",
+        "services/pipeserve/router/standalone.py",
+        "    # --upstream, --pipeline, --kube-api; --drain-timeout-s as a stage's\n",
+        '    r.add_argument("--grace-s", "--drain-timeout-s", dest="drain_s", type=float, default=30.0)\n',
+        "tests/test_configuration_docs.py -k twice",
     ),
 ]
 

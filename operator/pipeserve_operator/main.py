@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import time
@@ -24,6 +23,7 @@ import time
 import kopf
 from aiohttp import web
 
+from pipeserve import env as pipeserve_env
 from pipeserve_operator import handlers  # noqa: F401  (registers the handlers)
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.leader import LeaseElector
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     p.add_argument("--liveness-port", type=int, default=8080)
     p.add_argument("--standalone", action="store_true", help="no leader election (a single replica)")
-    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE"))
+    p.add_argument("--lease-namespace", default=pipeserve_env.get(pipeserve_env.POD_NAMESPACE))
     p.add_argument("--lease-seconds", type=int, default=15)
     p.add_argument("--renew-seconds", type=float, default=5.0)
     p.add_argument("--drain-seconds", type=float, default=30.0, help="wait after a group leaves routing")
@@ -90,7 +90,7 @@ async def _run(args: argparse.Namespace) -> int:
         await operator
         return 0
     ns = args.lease_namespace or args.namespace or "default"
-    identity = os.environ.get("POD_NAME") or socket.gethostname()
+    identity = pipeserve_env.get(pipeserve_env.POD_NAME) or socket.gethostname()
     elector = LeaseElector(kube, ns, LEASE_NAME, identity, args.lease_seconds, args.renew_seconds)
     standby = await _standby_liveness(args.liveness_port)
     try:
@@ -136,10 +136,10 @@ async def _standby_liveness(port: int) -> web.AppRunner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("PIPESERVE_LOG_LEVEL", "INFO"))
+    logging.basicConfig(level=pipeserve_env.get(pipeserve_env.LOG_LEVEL) or "INFO")
     args = build_parser().parse_args(argv)
     if not args.namespace and not args.all_namespaces:
-        args.namespace = os.environ.get("POD_NAMESPACE") or "default"
+        args.namespace = pipeserve_env.get(pipeserve_env.POD_NAMESPACE) or "default"
     return asyncio.run(_run(args))
 
 

@@ -7,6 +7,8 @@ for a CR stored before the rule existed or an API server that skipped it).
 
 from __future__ import annotations
 
+from pipeserve import env as pipeserve_env
+
 
 class SpecError(ValueError):
     """The spec cannot be turned into runnable pods (retrying without a spec change will not help)."""
@@ -22,12 +24,12 @@ RESERVED_FLAGS = frozenset(
 # Environment variables the operator sets on the stage container (some only with hicache / nccl; all
 # are refused in spec.env so that a spec's meaning does not change with another field).
 OWNED_ENV = (
-    "PIPESERVE_RANK",
-    "PIPESERVE_WORLD_SIZE",
-    "PIPESERVE_GROUP",
-    "PIPESERVE_HICACHE_URL",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    pipeserve_env.RANK,
+    pipeserve_env.WORLD_SIZE,
+    pipeserve_env.GROUP,
+    pipeserve_env.HICACHE_URL,
+    pipeserve_env.MASTER_ADDR,
+    pipeserve_env.MASTER_PORT,
     "HOME",
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",

@@ -29,6 +29,7 @@ import io
 import math
 from typing import Any
 
+from pipeserve import env as pipeserve_env
 from pipeserve_operator import pod
 from pipeserve_operator.crd import GROUP, KIND, VERSION, with_defaults
 from pipeserve_operator.owned import RESERVED_FLAGS as RESERVED_FLAGS
@@ -211,22 +212,22 @@ def _env(pipeline: dict, index: int, spec: dict[str, Any]) -> list[dict[str, Any
     name, ns = group_name(pipeline, index), pipeline["metadata"]["namespace"]
     env: list[dict[str, Any]] = [
         {
-            "name": "PIPESERVE_RANK",
+            "name": pipeserve_env.RANK,
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         },
-        {"name": "PIPESERVE_WORLD_SIZE", "value": str(spec["stages"])},
-        {"name": "PIPESERVE_GROUP", "value": name},  # names the group in logs and flight dumps
-        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}.{ns}.svc"},
-        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": pipeserve_env.WORLD_SIZE, "value": str(spec["stages"])},
+        {"name": pipeserve_env.GROUP, "value": name},  # names the group in logs and flight dumps
+        {"name": pipeserve_env.MASTER_ADDR, "value": f"{name}-0.{name}.{ns}.svc"},
+        {"name": pipeserve_env.MASTER_PORT, "value": str(RENDEZVOUS_PORT)},
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only: caches go to the emptyDir
     ]
     hicache = spec.get("hicache") or {}
     if hicache.get("url"):
-        env.append({"name": "PIPESERVE_HICACHE_URL", "value": hicache["url"]})
+        env.append({"name": pipeserve_env.HICACHE_URL, "value": hicache["url"]})
     elif hicache.get("secretRef"):
         ref = hicache["secretRef"]
         secret = {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "url")}}
-        env.append({"name": "PIPESERVE_HICACHE_URL", "valueFrom": secret})
+        env.append({"name": pipeserve_env.HICACHE_URL, "valueFrom": secret})
     nccl = spec.get("nccl") or {}
     if nccl.get("socketIfname"):
         env += [

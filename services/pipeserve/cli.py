@@ -73,9 +73,10 @@ def _demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-# EngineConfig fields `generate` does not take as engine flags: the model and stages (its own flags)
-# and the names of sampling flags.
-_GENERATE_NOT_ENGINE = {"model", "stages", "log_dir"} | {f.name for f in SAMPLING_FIELDS if f.cli}
+# EngineConfig fields `generate` does not take as flags: the names of sampling flags (--seed is the
+# request's here), and the stage logs' directory (its stages log to its terminal).
+_GENERATE_NOT_FLAGS = {"log_dir"} | {f.name for f in SAMPLING_FIELDS if f.cli}
+_GENERATE_NOT_ENGINE = _GENERATE_NOT_FLAGS | {"model", "stages"}  # given to LLM by name
 GIVEN = "sampling_flags_given"  # the namespace's set of the sampling flags on the command line
 
 
@@ -235,13 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo_model)
 
     g = sub.add_parser("generate", help="offline generation for a few prompts")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--prompt", action="append", required=True)
-    g.add_argument("--stages", type=int, default=1, help="pipeline stages (local processes)")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more)")
     add_sampling_args(g)
-    # every engine flag `stage`/`up` take (--quantization, --kv-cache-dtype, ...), less the
-    # sampling flags' names (--seed is the request's here)
-    add_config_args(g, EngineConfig, skip=_GENERATE_NOT_ENGINE)
+    # every engine flag `stage`/`up` take (--model, --stages, --quantization, ...)
+    add_config_args(g, EngineConfig, skip=_GENERATE_NOT_FLAGS)
     add_config_args(g, RouterConfig, skip={f.name for f in fields(RouterConfig)} - {"generation_config"})
     g.set_defaults(func=_generate, quantization=None)  # None: model_path.default_quantization
 

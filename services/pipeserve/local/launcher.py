@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeserve import env as pipeserve_env
 from pipeserve.config import EngineConfig, config_argv
 from pipeserve.obs.logs import GROUP_ENV
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # ring.group imports torch: `pipeserve up` (which never runs 
 
 log = logging.getLogger(__name__)
 
-PARENT_ENV = "PIPESERVE_PARENT_PID"
+PARENT_ENV = pipeserve_env.PARENT_PID
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -23,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from pipeserve import env as pipeserve_env
 from pipeserve.errors import ModelLoadError
 
 log = logging.getLogger("pipeserve.model")
@@ -44,7 +45,7 @@ CONVERTER_VERSION = 5
 
 
 def pipeserve_home() -> Path:
-    return Path(os.environ.get("PIPESERVE_HOME") or Path.home() / ".cache" / "pipeserve")
+    return pipeserve_env.home()
 
 
 def smollm2_gguf() -> Path:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 
+from pipeserve import env as pipeserve_env
 from pipeserve.obs.logs import GROUP_ENV
 from pipeserve.obs.stacks import thread_stacks
 
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 VERSION = 1
 RECORD_OVERHEAD = 256  # bytes charged per record beyond its payloads: the struct, bytes headers, deque slot
-DIR_ENV = "PIPESERVE_FLIGHT_DIR"  # where dumps go when the config names no directory
+DIR_ENV = pipeserve_env.FLIGHT_DIR  # where dumps go when the config names no directory
 
 
 class FlightFormatError(ValueError):
@@ -125,7 +126,7 @@ class FlightRecorder:
         self.max_records = max_records
         self.max_bytes = max_bytes
         self.directory = Path(directory)
-        self.group = group if group is not None else os.environ.get(GROUP_ENV, "")
+        self.group = group if group is not None else (pipeserve_env.get(GROUP_ENV) or "")
         self.dropped = 0
         self.dumps: list[Path] = []
         self._records: deque[FlightRecord] = deque()
@@ -252,9 +253,9 @@ def read_dump(path: str | Path) -> FlightDump:
 def default_directory() -> Path:
     """$PIPESERVE_FLIGHT_DIR, else $PIPESERVE_HOME/flight (PIPESERVE_HOME defaults to ~/.cache/pipeserve,
     as for the default model)."""
-    if env := os.environ.get(DIR_ENV):
+    if env := pipeserve_env.get(DIR_ENV):
         return Path(env)
-    return Path(os.environ.get("PIPESERVE_HOME") or Path.home() / ".cache" / "pipeserve") / "flight"
+    return pipeserve_env.home() / "flight"
 
 
 class DumpOnSignal:

@@ -33,11 +33,12 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import IO
 
+from pipeserve import env as pipeserve_env
 from pipeserve.errors import ConfigError
 
-FORMAT_ENV = "PIPESERVE_LOG_FORMAT"
-LEVEL_ENV = "PIPESERVE_LOG_LEVEL"
-GROUP_ENV = "PIPESERVE_GROUP"  # the group a stage process belongs to (set by its launcher)
+FORMAT_ENV = pipeserve_env.LOG_FORMAT
+LEVEL_ENV = pipeserve_env.LOG_LEVEL
+GROUP_ENV = pipeserve_env.GROUP  # the group a stage process belongs to (set by its launcher)
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(where)s%(message)s"
@@ -171,10 +172,10 @@ def configure_logging(
     None: from PIPESERVE_GROUP. Raises ConfigError for an unknown format or level. `export`: write
     the chosen format and level into os.environ, so child processes inherit them.
     """
-    fmt = check_format(fmt or os.environ.get(FORMAT_ENV) or "text")
-    level = check_level(level or os.environ.get(LEVEL_ENV) or "INFO")
+    fmt = check_format(fmt or pipeserve_env.get(FORMAT_ENV) or "text")
+    level = check_level(level or pipeserve_env.get(LEVEL_ENV) or "INFO")
     if group is None:
-        group = os.environ.get(GROUP_ENV) or None
+        group = pipeserve_env.get(GROUP_ENV)
     handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(ContextFilter(group, stage))

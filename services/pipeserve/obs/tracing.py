@@ -45,9 +45,11 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from pipeserve import env as pipeserve_env
+
 log = logging.getLogger(__name__)
 
-TRACE_FILE_ENV = "PIPESERVE_TRACE_FILE"
+TRACE_FILE_ENV = pipeserve_env.TRACE_FILE
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER_NAME = "pipeserve"
 # W3C trace context only: what pipeserve's own hops (gRPC metadata, plans) carry.
@@ -114,7 +116,7 @@ class JsonLinesFileExporter(SpanExporter):
 
 def wanted(env: Mapping[str, str] | None = None) -> bool:
     """Whether `env` (default os.environ) turns tracing on."""
-    env = os.environ if env is None else env
+    env = pipeserve_env.environ() if env is None else env
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     return any(env.get(k) for k in (*ENDPOINT_ENVS, TRACE_FILE_ENV))
@@ -154,7 +156,7 @@ def setup_tracing(service_name: str, attributes: Mapping[str, str | int] | None 
     Call once per process, before any instrumented object is built. `attributes` become resource
     attributes (e.g. the stage's rank). Raises ValueError if a provider is already installed here.
     """
-    env = os.environ
+    env = pipeserve_env.environ()
     if not wanted(env):
         return Tracing()
     if enabled():

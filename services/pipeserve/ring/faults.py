@@ -29,17 +29,17 @@ the check it pins going red:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Literal
 
 import msgspec
 import torch
 
+from pipeserve import env as pipeserve_env
 from pipeserve.engine.plan import ScheduledChunk, StageReport, StepPlan, seal
 from pipeserve.errors import ConfigError
 
-ENV = "PIPESERVE_FAULTS"
+ENV = pipeserve_env.FAULTS
 Corruption = Literal["digest", "block_range", "unknown_request", "rows", "report_digest"]
 
 
@@ -60,7 +60,7 @@ class Faults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_env(cls) -> Faults:
-        text = os.environ.get(ENV)
+        text = pipeserve_env.get(ENV)
         if not text:
             return cls()
         try:

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from pipeserve import env as pipeserve_env
 from pipeserve.config import POLICIES, DiscoveryConfig
 from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.router.discovery import Apply, valid_target
@@ -139,7 +139,7 @@ class Kubernetes:
             cfg.host = self.config.kube_api
         else:
             cfg = client.Configuration()
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if pipeserve_env.get(pipeserve_env.KUBERNETES_SERVICE_HOST):
                 config.load_incluster_config(client_configuration=cfg)
             else:
                 config.load_kube_config(client_configuration=cfg)

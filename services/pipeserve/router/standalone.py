@@ -27,69 +27,79 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from pipeserve import env as pipeserve_env
 from pipeserve.config import (
     DISCOVERY_KINDS,
     POLICIES,
     DiscoveryConfig,
     RouterConfig,
+    StageServeConfig,
     add_config_args,
     config_from_args,
 )
+from pipeserve.config.fields import flag_help
+from pipeserve.config.flags import group
 from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.discovery import Discovery, Static, upstream_targets
 
+DISCOVERY_NOT_FLAGS = {f.name for f in fields(DiscoveryConfig)} - {"upstream", "pipeline", "kube_api"}
 _FIXED = {"model", "policy"}  # own flags below: --policy's absence matters (the pipeline's then)
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("router", help="the OpenAI-compatible router alone, in front of running groups")
-    r.add_argument(
+    own, E = group(r, "router"), pipeserve_env
+    own.add_argument(
         "--model",
         "--tokenizer",
         dest="model",
-        default=os.environ.get("PIPESERVE_MODEL"),
-        help="directory with the tokenizer files (no weights needed)",
+        default=E.get(E.MODEL),
+        metavar="DIR",
+        help=flag_help("directory with the tokenizer files (no weights needed)", "required", E.MODEL),
     )
-    r.add_argument(
-        "--upstream",
-        default=os.environ.get("PIPESERVE_UPSTREAM"),
-        help="every group's stage 0 gRPC address, comma-separated: host:port[,host:port...]",
-    )
-    r.add_argument(
+    own.add_argument(
         "--discover",
         choices=DISCOVERY_KINDS,
-        default=os.environ.get("PIPESERVE_DISCOVER") or None,
-        help="where the groups come from (default: static, the --upstream list)",
+        default=E.get(E.DISCOVER),
+        help=flag_help("where the groups come from", "static, the --upstream list", E.DISCOVER),
     )
-    r.add_argument(
+    own.add_argument(
         "--namespace",
-        default=os.environ.get("PIPESERVE_NAMESPACE") or None,
-        help="kubernetes: the InferencePipeline's namespace (default: this pod's, else 'default')",
+        default=E.get(E.NAMESPACE),
+        help=flag_help(
+            "kubernetes: the InferencePipeline's namespace", "this pod's, else default", E.NAMESPACE
+        ),
     )
-    r.add_argument(
-        "--pipeline", default=os.environ.get("PIPESERVE_PIPELINE", ""), help="kubernetes: its name"
-    )
-    r.add_argument(
+    own.add_argument(
         "--models",
-        default=os.environ.get("PIPESERVE_MODELS") or None,
-        help="YAML/JSON list of served models, each its own tokenizer and pipeline (see the docs)",
+        default=E.get(E.MODELS),
+        metavar="FILE",
+        help=flag_help(
+            "YAML/JSON list of served models, each its own tokenizer and pipeline (docs/kubernetes.md)",
+            "none",
+            E.MODELS,
+        ),
     )
-    r.add_argument(
+    own.add_argument(
         "--policy",
         choices=POLICIES,
-        default=os.environ.get("PIPESERVE_POLICY") or None,
-        help="how a group is picked (default: the pipeline's spec.router.policy, else round_robin)",
+        default=E.get(E.POLICY),
+        help=flag_help(
+            "how a group is picked", "the pipeline's spec.router.policy, else round_robin", E.POLICY
+        ),
     )
-    r.add_argument("--kube-api", default=None, help="kubernetes: API server URL, no auth (tests, dev)")
-    r.add_argument("--drain-timeout-s", type=float, default=30.0, help="SIGTERM: let responses finish")
+    # --upstream, --pipeline, --kube-api; --drain-timeout-s as a stage's
+    add_config_args(r, DiscoveryConfig, skip=DISCOVERY_NOT_FLAGS)
+    add_config_args(
+        r, StageServeConfig, skip={f.name for f in fields(StageServeConfig)} - {"drain_timeout_s"}
+    )
     add_config_args(r, RouterConfig, skip=_FIXED)
     r.set_defaults(func=run_router)
 

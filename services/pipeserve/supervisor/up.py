@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -43,6 +42,8 @@ from pipeserve.config import (
     add_config_args,
     config_from_args,
 )
+from pipeserve.config.fields import flag_help
+from pipeserve.config.flags import group
 from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.http_guard import RouterServer, server_config
 
@@ -70,20 +71,24 @@ class _Server(RouterServer):
 # ports are free ones on 127.0.0.1; the checkpoint and the served name are shared with the router.
 _UP_SERVE_FIXED = {"host", "health_port", "grpc_port", "served_model_name"}
 _UP_ROUTER_FIXED = {"model"}
+REPLICAS = 1  # --replicas's default: `up`'s own flag, no config field
 SUPERVISOR_PREFIX = "supervisor_"  # --supervisor-backoff-s ...: the router has a probe_timeout_s too
 
 
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
     """`pipeserve up`'s flags: a few of its own, then one per field of every config it builds."""
     u = sub.add_parser("up", help="serve: R pipeline groups of S stages behind the OpenAI-compatible router")
-    u.add_argument("--model", default=os.environ.get("PIPESERVE_MODEL"), help="default: SmolLM2-135M")
-    u.add_argument("--stages", type=int, default=1)
-    u.add_argument("--replicas", type=int, default=1)
-    u.add_argument("--log-dir", default=None, help="stage logs go to DIR/group-G-stage-K.log")
+    add_config_args(u, EngineConfig, skip=set())  # --model, --stages and --log-dir included
+    group(u, "serving").add_argument(
+        "--replicas",
+        type=int,
+        default=REPLICAS,
+        metavar="N",
+        help=flag_help("pipeline groups", str(REPLICAS)),
+    )
     add_config_args(u, RouterConfig, skip=_UP_ROUTER_FIXED)
     add_config_args(u, StageServeConfig, skip=_UP_SERVE_FIXED)
     add_config_args(u, SupervisorConfig, skip=set(), prefix=SUPERVISOR_PREFIX)
-    add_config_args(u, EngineConfig)
     u.set_defaults(func=run_up, quantization=None)  # None: model_path.default_quantization
 
 
