@@ -19,7 +19,7 @@ from pipeserve.config import CONFIGS, GROUPS, EngineConfig, StageServeConfig, Su
 from pipeserve.config.fields import help_text
 from pipeserve.model.default import DEFAULT_MODEL_NAME
 
-SUBCOMMANDS = ("up", "stage", "router")
+SUBCOMMANDS = ("up", "stage", "router", "generate")
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

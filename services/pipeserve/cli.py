@@ -45,6 +45,7 @@ from pipeserve.config import (
     add_config_args,
     config_from_args,
 )
+from pipeserve.config.fields import flag_help
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.model.demo_spec import SUPPORTED_ARCHES, DemoSpec
 from pipeserve.obs.logs import JsonFormatter, add_log_args, configure_from_args, set_identity
@@ -196,7 +197,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         if not f.cli:
             continue
         flag = "--" + f.name.replace("_", "-")
-        text = f"{f.help} ({f.bounds_text()})" if f.bounds_text() else f.help
+        default = "none" if f.flag_default is None else str(f.flag_default)
+        if f.model_default:  # request_defaults.py: a flag not given takes the model's value first
+            default = f"the model's {f.model_default}, else {default}"
+        text = flag_help(f"{f.help} ({f.bounds_text()})" if f.bounds_text() else f.help, default)
         if f.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.flag_default, help=text)
         else:
@@ -236,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo_model)
 
     g = sub.add_parser("generate", help="offline generation for a few prompts")
-    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for more)")
+    g.add_argument(
+        "--prompt", action="append", required=True, help=flag_help("a prompt (repeat for more)", "required")
+    )
     add_sampling_args(g)
     # every engine flag `stage`/`up` take (--model, --stages, --quantization, ...)
     add_config_args(g, EngineConfig, skip=_GENERATE_NOT_FLAGS)
