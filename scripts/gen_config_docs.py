@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pipeserve import env as pipeserve_env
 from pipeserve.cli import build_parser
-from pipeserve.config import CONFIGS, GROUPS, ModelEntry
-from pipeserve.config.fields import shown_default
+from pipeserve.config import CONFIGS, GROUPS, ModelEntry, SupervisorConfig
+from pipeserve.config.fields import help_text, shown_default
 from pipeserve.config.flags import _flag_type
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -38,14 +38,14 @@ map, which takes any `pipeserve stage` flag).
 """
 
 
-def _commands() -> dict[str, list[str]]:
-    """flag -> the subcommands that take it."""
+def _actions() -> dict[str, dict[str, argparse.Action]]:
+    """flag -> {subcommand: its action} for every flag of the COMMANDS."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    out: dict[str, list[str]] = {}
+    out: dict[str, dict[str, argparse.Action]] = {}
     for name in COMMANDS:
         for action in sub.choices[name]._actions:
-            for opt in action.option_strings:
-                out.setdefault(opt, []).append(name)
+            for opt in action.option_strings[:1]:
+                out.setdefault(opt, {})[name] = action
     return out
 
 
@@ -68,26 +68,49 @@ def _row(f: Field, cls: type, flag: str, commands: list[str]) -> str:
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
-def render() -> str:
-    commands = _commands()
+def _field_rows(actions: dict[str, dict[str, argparse.Action]]) -> tuple[dict[str, list[str]], set[int]]:
+    """The table rows of every user-facing field that is a flag, by group; and the ids of the actions
+    they describe (a subcommand's own flag of the same name, router --namespace, is not one)."""
     rows: dict[str, list[str]] = {g: [] for g in GROUPS}
-    seen: set[str] = set()
+    described: set[int] = set()
     for cls in CONFIGS:
         if cls is ModelEntry:
             continue
+        prefix = "--supervisor-" if cls is SupervisorConfig else "--"
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if cls.__name__ == "SupervisorConfig":
-                flag = "--supervisor-" + flag[2:]
-            if f.metadata.get("internal") or flag in seen or flag not in commands:
+            flag = prefix + f.name.replace("_", "-")
+            mine = {c: a for c, a in actions.get(flag, {}).items() if a.help == help_text(f)}
+            if f.metadata.get("internal") or not mine or id(next(iter(mine.values()))) in described:
                 continue
-            seen.add(flag)
-            rows[f.metadata["group"]].append(_row(f, cls, flag, commands[flag]))
+            described |= {id(a) for a in mine.values()}
+            rows[f.metadata["group"]].append(_row(f, cls, flag, list(mine)))
+    return rows, described
+
+
+def _own_rows(actions: dict[str, dict[str, argparse.Action]], described: set[int]) -> list[str]:
+    """The subcommands' own flags (no config field): their help says their default."""
+    out = []
+    for flag, by_command in actions.items():
+        own = {c: a for c, a in by_command.items() if id(a) not in described}
+        helps = {a.help for a in own.values()} - {None, argparse.SUPPRESS}
+        if flag == "-h" or not helps:
+            continue
+        for text in sorted(helps):
+            where = ", ".join(c for c, a in own.items() if a.help == text)
+            out.append(f"| `{flag}` | {where} | {_cell(text)} |")
+    return out
+
+
+def render() -> str:
+    actions = _actions()
+    rows, seen = _field_rows(actions)
     out = [HEADER]
     columns = ("Flag", "Type", "Default", "Unit", "Range", "Commands", "Env", "Chart", "Description")
     head = "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
     for name, about in GROUPS.items():
         out += [f"## {name.capitalize()}\n", f"{about[0].upper()}{about[1:]}.\n", head, *rows[name], ""]
+    out += ["## The subcommands' own flags\n", "| Flag | Commands | Description |", "|---|---|---|"]
+    out += [*_own_rows(actions, seen), ""]
     out += ["## `pipeserve router --models FILE` entries\n", "| Key | Type | Default | Description |"]
     out.append("|---|---|---|---|")
     for f in fields(ModelEntry):

@@ -93,3 +93,20 @@ def test_no_field_default_is_declared_twice() -> None:
             ):
                 bad[rel] = hits
     assert bad == {}, f"take the flag from the field (config.add_config_args): {bad}"
+
+
+def test_every_chart_value_named_exists() -> None:
+    """A field's `chart` names a value of charts/pipeserve/values.yaml that sets the flag."""
+    import yaml
+
+    values = yaml.safe_load((ROOT / "charts" / "pipeserve" / "values.yaml").read_text())
+    named = [f.metadata["chart"] for cls in CONFIGS for f in fields(cls) if f.metadata.get("chart")]
+    missing = []
+    for path in named:
+        node = values
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                missing.append(path)
+                break
+            node = node[key]
+    assert named and missing == []

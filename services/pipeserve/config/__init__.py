@@ -30,7 +30,8 @@ from pipeserve.config.serving import (
 )
 
 # Every config whose fields are settings, in the order the docs list them.
-CONFIGS = (EngineConfig, StageServeConfig, RouterConfig, SupervisorConfig, DiscoveryConfig, ModelEntry)
+# A flag two configs share (--host, --served-model-name) is described by the first: `up`'s view.
+CONFIGS = (EngineConfig, RouterConfig, StageServeConfig, SupervisorConfig, DiscoveryConfig, ModelEntry)
 
 __all__ = [
     "CONFIGS",

