@@ -1,7 +1,7 @@
 """`pipeserve stage`'s flags, in one place: `pipeserve stage` (cli.py) and the operator, which checks
 an InferencePipeline's `spec.engine` map against them, build them here.
 
-Import contract: this module imports only the typed configs (config.py) and the log flags
+Import contract: this module imports only the typed configs (config/) and the log flags
 (obs/logs.py) — no torch, and not the CLI with its other subcommands (router, up, bench): the
 operator's image loads it (tests/test_import_graph.py).
 """
