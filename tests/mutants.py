@@ -2583,6 +2583,20 @@ MUTANTS = [
         '    r.add_argument("--grace-s", "--drain-timeout-s", dest="drain_s", type=float, default=30.0)\n',
         "tests/test_configuration_docs.py -k twice",
     ),
+    (
+        "sampling from the candidates without proof that the filters keep nothing past them (issue 29)",
+        "services/pipeserve/worker/sampler.py",
+        "            if bool(exact[j]):",
+        "            if True:",
+        "tests/engine/test_sampling.py -k candidate",
+    ),
+    (
+        "top-p over the candidates normalized among themselves, not over the vocabulary (issue 29)",
+        "services/pipeserve/worker/sampler.py",
+        "        p = torch.where(within[:, None], p_topk, p_all)",
+        "        p = vals.softmax(dim=-1)",
+        "tests/engine/test_sampling.py -k candidate",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import torch
 from conftest import hf_logits, random_prompts
 from pipeserve import LLM, SamplingParams
 from pipeserve.engine.plan import SamplingSpec
-from pipeserve.worker.sampler import Sampler, _filter
+from pipeserve.worker.sampler import CANDIDATES, Sampler, _distributions, _filter
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,34 @@ def test_filters_restrict_support() -> None:
     p2 = logits[2].softmax(-1)
     assert torch.equal(probs[2] > 0, p2 >= 0.2 * p2.max())
     assert torch.allclose(probs[3], (logits[3] / 0.5).softmax(-1))
+
+
+def test_candidate_distributions_equal_the_full_sort() -> None:
+    """`_distributions` samples a row from its CANDIDATES most probable tokens only when the
+    filters provably keep nothing past them: each row's distribution equals `_filter`'s (same
+    support, same probabilities), peaked rows take the candidates, flat ones the full sort."""
+    torch.manual_seed(1)
+    vocab = 4 * CANDIDATES
+    peaked, flat = torch.randn(6, vocab) * 8, torch.randn(6, vocab) * 0.1
+    specs = [
+        SamplingSpec(1.0, 5, 1.0, 0.0, None, None),  # top-k within the candidates
+        SamplingSpec(0.7, -1, 0.9, 0.0, None, None),  # top-p
+        SamplingSpec(1.0, -1, 1.0, 0.1, None, None),  # min-p
+        SamplingSpec(1.3, CANDIDATES + 7, 0.95, 0.0, None, None),  # top-k past the candidates
+        SamplingSpec(0.8, -1, 1.0, 0.0, None, None),  # no filter: softmax(logits / T)
+        SamplingSpec(1.0, 40, 0.5, 0.05, None, None),  # all three
+    ]
+    logits = torch.cat([peaked, flat])
+    dists = _distributions(logits, specs + specs)
+    want = _filter(logits, specs + specs)
+    took = []
+    for row, ((probs, ids), ref) in enumerate(zip(dists, want, strict=True)):
+        full = probs if ids is None else torch.zeros(vocab).scatter(0, ids, probs)
+        assert torch.equal(full > 0, ref > 0), f"row {row}: another support"
+        assert torch.allclose(full, ref, atol=1e-6, rtol=1e-5), f"row {row}"
+        took.append(ids is not None)
+    peaked_took, flat_took = [True, True, True, False, False, True], [True, False, False, False, False, True]
+    assert took == [*peaked_took, *flat_took], took
 
 
 def test_sampler_draws_from_distribution() -> None:
