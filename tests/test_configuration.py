@@ -136,3 +136,11 @@ def test_declared_ranges_are_checked(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"port: must be in \[0, 65535\]"):
         RouterConfig(model=str(tmp_path), port=65536)
     EngineConfig(model=str(tmp_path), kv_cache_memory_fraction=0.9, max_model_len=None)  # bounds, None
+
+
+def test_help_shows_the_declared_default_not_the_environments(monkeypatch) -> None:
+    """An environment variable replaces a flag's default, but --help never prints its value (an API key)."""
+    monkeypatch.setenv("PIPESERVE_API_KEY", "sk-secret-value")
+    assert build_parser().parse_args(["up"]).api_key == "sk-secret-value"
+    text = _help("up")
+    assert "sk-secret-value" not in text and "env PIPESERVE_API_KEY" in " ".join(text.split())
