@@ -83,7 +83,7 @@ def stage_bounds(engine: Any, path: Path) -> list[dict[str, int]]:
     """Each stage's own weights and KV pool bytes, and its RSS bound."""
     from pipeserve.model.loader import stage_tensor_names
     from pipeserve.model.stage_model import StageSpec
-    from pipeserve.ring.build import layer_split
+    from pipeserve.stage.assemble import layer_split
     from pipeserve.worker.kv_cache import block_bytes
 
     cfg, config = engine.model_config, engine.config

@@ -722,7 +722,7 @@ MUTANTS = [
     ),
     (
         "kv_cache_dtype ignored by the pool",
-        "services/pipeserve/ring/build.py",
+        "services/pipeserve/stage/assemble.py",
         "        kv_dtype=pool_dtype,\n",
         "",
         "tests/engine/test_kv_memory.py -k tolerance",
@@ -869,7 +869,7 @@ MUTANTS = [
     ),
     (
         "device cuda without a visible GPU crashes instead of a configuration error",
-        "services/pipeserve/ring/build.py",
+        "services/pipeserve/stage/assemble.py",
         '    if config.device.startswith("cuda") and not torch.cuda.is_available():',
         "    if False:",
         "tests/ring/test_data_backend.py",
@@ -1303,8 +1303,8 @@ MUTANTS = [
     (
         "logit_bias dropped from the plan",
         "services/pipeserve/engine/request.py",
-        "        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],",
-        "        [],",
+        "        return [(int(t), float(b)) for t, b in sorted(value.items())]",
+        "        return []",
         "tests/engine/test_penalties.py -k one_stage",
     ),
     (
@@ -1409,13 +1409,28 @@ MUTANTS = [
     (
         "the executing side reads the scheduler (worker/ imports more of engine/ than its contract)",
         "services/pipeserve/worker/model_runner.py",
-        "from pipeserve.engine.executor import BusyMeter\n",
-        "from pipeserve.engine.executor import BusyMeter\nfrom pipeserve.engine.scheduler import Scheduler\n",
+        "from pipeserve.engine.executor import BusyMeter, PlanMismatch\n",
+        "from pipeserve.engine.executor import BusyMeter, PlanMismatch\n"
+        "from pipeserve.engine.scheduler import Scheduler\n",
         "tests/test_import_graph.py -k worker_sees_only",
     ),
     (
+        "stage 0's tiers read through its executor's runner (issue 30's leak)",
+        "services/pipeserve/stage/assemble.py",
+        "    return Leader(engine, stage.tiers)\n",
+        "    return Leader(engine, executor.runner.tiers)  # type: ignore[attr-defined]\n",
+        "tests/test_import_graph.py -k reaches_through",
+    ),
+    (
+        "HiCache's tiers import their L2 check from the worker (issue 30's leak)",
+        "services/pipeserve/hicache/stage_tiers.py",
+        "from pipeserve.engine.executor import refuse_l2_moves\n",
+        "from pipeserve.worker.cache_moves import refuse_l2_moves\n",
+        "tests/test_import_graph.py -k hicache",
+    ),
+    (
         "a stage's runner patched after construction (HiCache tiers set on it afterwards)",
-        "services/pipeserve/ring/build.py",
+        "services/pipeserve/stage/assemble.py",
         "        request_check=faults.request_check(rank),\n    )\n",
         "        request_check=faults.request_check(rank),\n    )\n    runner.tiers = tiers\n",
         "tests/test_import_graph.py -k runner_attribute",
@@ -1452,9 +1467,30 @@ MUTANTS = [
     (
         "SamplingSpec's field order drifts from the field list",
         "services/pipeserve/engine/plan.py",
-        "    top_k: int\n    top_p: float\n",
-        "    top_p: float\n    top_k: int\n",
+        "[*map(_plan_field, STAGE_FIELDS),",
+        "[*map(_plan_field, sorted(STAGE_FIELDS)),",
         "tests/test_sampling_fields.py -k sampling_spec",
+    ),
+    (
+        "SamplingSpec declares a sampling field by hand again (issue 30)",
+        "services/pipeserve/engine/plan.py",
+        '`sampling_spec`)."""\n',
+        '`sampling_spec`)."""\n\n    repetition_penalty: float = 1.0\n',
+        "tests/test_sampling_fields.py -k declared_once",
+    ),
+    (
+        "the wire's repetition_penalty unset reads as proto3's 0, not the list's 1 (issue 30)",
+        "services/pipeserve/rpc/generation.proto",
+        "  optional double repetition_penalty = 12;",
+        "  double repetition_penalty = 12;",
+        "tests/test_sampling_fields.py -k wire_message",
+    ),
+    (
+        "the wire's top_k typed apart from the field list (issue 30)",
+        "services/pipeserve/rpc/generation.proto",
+        "  int32 top_k = 4;",
+        "  uint32 top_k = 4;",
+        "tests/test_sampling_fields.py -k wire_message",
     ),
     (
         "the validator ignores the field list's bounds",
@@ -1829,7 +1865,7 @@ MUTANTS = [
     ),
     (
         "longrope served past its original length",
-        "services/pipeserve/ring/build.py",
+        "services/pipeserve/stage/assemble.py",
         "    if exact is not None and exact < limit:",
         "    if False:",
         "tests/model/test_arch.py -k longrope",

@@ -11,7 +11,11 @@
 * A stage's runner is built in one place with everything it uses (worker/build.py): no module sets
   an attribute on a runner after construction (`runner.x = ...`, `stage.runner.x = ...`).
 * The ring is below the stage process: `ring/` imports nothing from stage 0's front (stage),
-  process care (care) or the roles above them.
+  process care (care) or the roles above them. The stage is assembled above it (stage/assemble.py).
+* HiCache's tiers are handed to a runner (worker/cache_moves.py's contract): `hicache/` imports
+  nothing of `worker/` (what both sides share is engine/executor.py's), nor of the process roles.
+* Nothing reaches through an executor to its runner (`executor.runner`, `x.executor.runner.tiers`):
+  an executor is the Executor contract; what a caller needs of a stage it gets from the assembly.
 * The operator imports only the policy side of process care: nothing of the local launch side
   (`local/`: launcher, redis-server), and not the CLI (`pipeserve stage`'s flags are
   stage_flags.py's) — directly or through what it imports, lazily too.
@@ -153,6 +157,35 @@ def test_ring_is_below_the_stage_process() -> None:
     above = ("care", "local", "stage", "router", "supervisor", "entrypoints", "cli")
     bad = {t for t in _imports_of("pipeserve.ring") if t.split(".")[1] in above}
     assert bad == set(), f"ring/ imports {sorted(bad)}"
+
+
+def test_hicache_imports_no_worker_nor_role() -> None:
+    assert "pipeserve.hicache.stage_tiers" in _modules()  # the checker sees the package
+    bad = {t for t in _imports_of("pipeserve.hicache") if t.split(".")[1] in ("worker", *ROLES)}
+    assert bad == set(), f"hicache/ imports {sorted(bad)}: share it through engine/executor.py"
+
+
+def executor_reach_throughs(source: str) -> list[str]:
+    """Reads of an executor's runner: `executor.runner`, `<anything>.executor.runner` (and so any
+    attribute chain beyond it, `engine.executor.runner.tiers`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "runner":
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id.endswith("executor")) or (
+                isinstance(owner, ast.Attribute) and owner.attr.endswith("executor")
+            ):
+                found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_nothing_reaches_through_an_executor() -> None:
+    sample = (
+        "t = executor.runner.tiers\nm = engine.executor.runner\nr = stage.runner.meter\nx = self.runner\n"
+    )
+    assert executor_reach_throughs(sample) == ["line 1: executor.runner", "line 2: engine.executor.runner"]
+    bad = {m: w for m, path in _modules().items() if (w := executor_reach_throughs(path.read_text()))}
+    assert bad == {}, f"take it from the stage's assembly (stage/assemble.py), not the executor: {bad}"
 
 
 def test_router_runs_no_model() -> None:

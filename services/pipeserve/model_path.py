@@ -14,7 +14,7 @@
   is missing (a directory holding a .gguf file is pointed at it).
 * The architecture and config are checked by the loader's own parser, `ModelConfig.from_dir`
   (model/config.py): its ModelLoadError is the message, nothing here restates its rules; the layer
-  split and max_model_len are checked against the model by ring/build.py's own functions.
+  split and max_model_len are checked against the model by stage/assemble.py's own functions.
 The CLI prints a ModelLoadError / ConfigError as one line and exits ExitCode.CANNOT_START (cli.py).
 """
 
@@ -99,7 +99,7 @@ def check_config(engine: EngineConfig) -> None:
     """The loader's own config parse, the layer split and max_model_len against the model, in this
     process (imports torch)."""
     from pipeserve.model.config import ModelConfig
-    from pipeserve.ring.build import layer_split, resolve_max_model_len
+    from pipeserve.stage.assemble import layer_split, resolve_max_model_len
 
     cfg = ModelConfig.from_dir(engine.model, engine.dtype)
     layer_split(engine, cfg)
@@ -155,7 +155,8 @@ def _passed_marker(engine: EngineConfig, argv: list[str], home: Path | None) -> 
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeserve.model_path")
     parser.add_argument("--model", required=True)
-    add_config_args(parser, EngineConfig, skip={"model", "log_dir"})  # --stages included
+    parser.add_argument("--stages", type=int, default=1)
+    add_config_args(parser, EngineConfig)
     args = parser.parse_args(argv)
     try:
         check_config(config_from_args(EngineConfig, args, model=args.model, stages=args.stages))

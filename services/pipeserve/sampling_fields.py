@@ -1,29 +1,31 @@
-"""The one list of sampling fields: name, type, default, bounds, help, and where each one travels.
+"""The sampling fields, each declared once: name, type, default, bounds, help, and where it travels.
 
-Derived from it (and checked against it by tests/test_sampling_fields.py):
-* `SamplingParams` (sampling_params.py): its fields are these, in this order, with these types and
-  defaults; `validate` enforces each field's numeric bounds from here (the other checks, of shape,
-  are its own);
+`SamplingValues` below is the one declaration (a dataclass: its annotations are the types mypy
+checks everywhere); SAMPLING_FIELDS is read from it. Derived from it (and checked against it by
+tests/test_sampling_fields.py, which also fails on a second hand-written declaration elsewhere):
+* `SamplingParams` (sampling_params.py): a subclass adding the checks; `validate` enforces each
+  field's numeric bounds from here (the other checks, of shape, are its own);
 * the OpenAPI document (router/openapi.py): each field's JSON `minimum` / `maximum` /
   `exclusiveMinimum` and its description;
 * `pipeserve generate`'s flags (cli.py): one flag per field marked `cli`;
-* `SamplingSpec` (engine/plan.py, a msgspec Struct whose fields must be written out): its fields
-  are the `stage` fields, in this order, then `STAGE_DERIVED` (a test compares them);
-* the protobuf (rpc/generation.proto): the `wire` fields, by name (rpc/convert.py checks at import).
+* `SamplingSpec` (engine/plan.py): a msgspec Struct made from the `stage` fields, in this order,
+  then `STAGE_DERIVED`, and built by name (engine/request.py);
+* the protobuf (rpc/generation.proto): the `wire` fields; it cannot be generated at run time, so
+  rpc/convert.py checks the names at import and a test checks every field's name and type.
 
 Defaults that differ per surface are here too: the completions API's `max_tokens` is
 DEFAULT_MAX_TOKENS (OpenAI, vLLM), chat's is None (up to the context, resolved against the prompt
 by sampling_params.resolve_max_tokens), and `pipeserve generate` has its own `cli_default`.
 A field marked `model_default` takes the model's generation_config.json value first, when a request
 leaves it unset (request_defaults.py).
-Adding a sampling field: a row here, the field in SamplingParams (and its shape check), the proto
-field (then `make proto`) and SamplingSpec's when it travels, and the engine code that acts on it.
+Adding a sampling field: a row in SamplingValues (and its shape check in SamplingParams when it has
+one), the proto field (then `make proto`) when it travels, and the engine code that acts on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, get_type_hints
 
 DEFAULT_MAX_TOKENS = 16  # completions (OpenAI, vLLM) and SamplingParams(); chat: None (the context)
 GENERATE_MAX_TOKENS = 32  # `pipeserve generate`'s default
@@ -76,10 +78,20 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else str(v)
 
 
-SAMPLING_FIELDS: tuple[SamplingField, ...] = (
-    SamplingField(
-        "max_tokens",
-        int | None,
+def declare(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, **spec: Any) -> Any:
+    """One field of SamplingValues: its default (or `factory`, list or dict: a fresh one per
+    instance) and its SamplingField attributes (`minimum`, `cli`, ...) as dataclass metadata."""
+    spec = {"help": help, **spec}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=spec)
+    return field(default=default, metadata=spec)
+
+
+@dataclass
+class SamplingValues:
+    """The sampling fields, in their order (SamplingSpec is array_like: the order is its encoding)."""
+
+    max_tokens: int | None = declare(
         DEFAULT_MAX_TOKENS,
         "tokens to generate at most",
         minimum=1,
@@ -87,23 +99,12 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         cli=True,
         cli_default=GENERATE_MAX_TOKENS,
         model_default="max_new_tokens",
-    ),
-    SamplingField(
-        "temperature",
-        float,
-        1.0,
-        "below 1e-5: greedy",
-        minimum=0,
-        cli=True,
-        cli_default=0.0,
-        model_default="temperature",
-    ),
-    SamplingField(
-        "top_k", int, -1, "-1 or 0: off", minimum=-1, maximum=MAX_TOP_K, cli=True, model_default="top_k"
-    ),
-    SamplingField(
-        "top_p",
-        float,
+    )
+    temperature: float = declare(
+        1.0, "below 1e-5: greedy", minimum=0, cli=True, cli_default=0.0, model_default="temperature"
+    )
+    top_k: int = declare(-1, "-1 or 0: off", minimum=-1, maximum=MAX_TOP_K, cli=True, model_default="top_k")
+    top_p: float = declare(
         1.0,
         "nucleus mass kept",
         minimum=0,
@@ -111,67 +112,70 @@ SAMPLING_FIELDS: tuple[SamplingField, ...] = (
         exclusive_minimum=True,
         cli=True,
         model_default="top_p",
-    ),
-    SamplingField(
-        "min_p",
-        float,
+    )
+    min_p: float = declare(
         0.0,
         "min probability, relative to the top token's",
         minimum=0,
         maximum=1,
         cli=True,
         model_default="min_p",
-    ),
-    SamplingField("seed", int | None, None, "per-request seed", minimum=0, maximum=MAX_SEED, cli=True),
-    SamplingField("stop", list[str], (), "stop strings (the router's: not sent)", wire=False, stage=False),
-    SamplingField("stop_token_ids", list[int], (), "token ids that end the output", stage=False),
-    SamplingField("ignore_eos", bool, False, "generate past EOS", stage=False, cli=True),
-    SamplingField(
-        "logprobs",
-        int | None,
-        None,
-        "the sampled token's logprob and the top k",
-        minimum=0,
-        maximum=MAX_LOGPROBS,
-    ),
-    SamplingField("structured_kind", str, "", "json, json_object, regex, choice, grammar; '' off"),
-    SamplingField("structured", str, "", "the schema, regex, JSON list of choices or EBNF"),
-    SamplingField("structured_compact", bool, False, "JSON without free whitespace"),
-    SamplingField(
-        "prompt_logprobs",
-        int | None,
+    )
+    seed: int | None = declare(None, "per-request seed", minimum=0, maximum=MAX_SEED, cli=True)
+    stop: list[str] = declare(
+        factory=list, help="stop strings (the router's: not sent)", wire=False, stage=False
+    )
+    stop_token_ids: list[int] = declare(factory=list, help="token ids that end the output", stage=False)
+    ignore_eos: bool = declare(False, "generate past EOS", stage=False, cli=True)
+    logprobs: int | None = declare(
+        None, "the sampled token's logprob and the top k", minimum=0, maximum=MAX_LOGPROBS
+    )
+    # Structured outputs (engine/grammar.py); the router normalizes every API spelling to these.
+    structured_kind: str = declare("", "json, json_object, regex, choice, grammar; '' off")
+    structured: str = declare("", "the schema, regex, JSON list of choices or EBNF")
+    structured_compact: bool = declare(False, "JSON without free whitespace")
+    prompt_logprobs: int | None = declare(
         None,
         "vLLM's extension: each prompt token's logprob, rank and the top k there "
         "(completions: per choice; chat: top level; streamed in the first chunk); no prefix-cache hit",
         minimum=0,
         maximum=MAX_LOGPROBS,
-    ),
-    SamplingField(
-        "presence_penalty", float, 0.0, "over the output tokens so far", minimum=-2, maximum=2, cli=True
-    ),
-    SamplingField(
-        "frequency_penalty", float, 0.0, "x each output token's count", minimum=-2, maximum=2, cli=True
-    ),
-    SamplingField(
-        "repetition_penalty",
-        float,
+    )
+    # Logits processors (vLLM's definitions; worker/penalties.py): the defaults leave a row untouched.
+    presence_penalty: float = declare(0.0, "over the output tokens so far", minimum=-2, maximum=2, cli=True)
+    frequency_penalty: float = declare(0.0, "x each output token's count", minimum=-2, maximum=2, cli=True)
+    repetition_penalty: float = declare(
         1.0,
         "over prompt and output tokens; 1: off",
         minimum=0,
         exclusive_minimum=True,
         cli=True,
         model_default="repetition_penalty",
-    ),
-    SamplingField("logit_bias", dict[int, float], {}, "token id -> bias added to its logit, in [-100, 100]"),
-    SamplingField(
-        "min_tokens",
-        int,
+    )
+    logit_bias: dict[int, float] = declare(
+        factory=dict, help="token id -> bias added to its logit, in [-100, 100]"
+    )
+    min_tokens: int = declare(
         0,
         "no EOS, stop_token_ids or stop string before this many tokens; <= max_tokens",
         minimum=0,
         cli=True,
-    ),
-)
+    )
+
+
+def _read_fields() -> tuple[SamplingField, ...]:
+    hints = get_type_hints(SamplingValues)
+    out = []
+    for f in fields(SamplingValues):
+        default = f.default
+        if f.default_factory is not MISSING:  # a list is given as () (SamplingField is shared), a dict {}
+            default = () if f.default_factory is list else f.default_factory()
+        out.append(SamplingField(f.name, hints[f.name], default, **f.metadata))
+    return tuple(out)
+
+
+SAMPLING_FIELDS: tuple[SamplingField, ...] = _read_fields()
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # at their defaults: off
 FIELDS = {f.name: f for f in SAMPLING_FIELDS}
 STAGE_FIELDS = tuple(f.name for f in SAMPLING_FIELDS if f.stage)
 # SamplingSpec's fields after STAGE_FIELDS, computed by stage 0: EOS (unless ignore_eos) + stop_token_ids.

@@ -1,8 +1,9 @@
 """SamplingParams: what a caller asks of one generation (vLLM's shape), and the prompt checks.
 
 There is one sampling field list, sampling_fields.py (names, types, defaults,
-bounds, help, where each travels); this dataclass has exactly its fields, in
-its order (tests/test_sampling_fields.py), and `validate` enforces its bounds.
+bounds, help, where each travels): SamplingParams subclasses its declaration
+(SamplingValues), so it has exactly its fields, in its order, and `validate`
+enforces its bounds.
 The router builds `SamplingParams` straight from the JSON body
 (router/protocol.py reads each field by its annotation here), `rpc/convert.py`
 maps it to and from `pb.SamplingParams` by field name, and the engine reads it.
@@ -25,12 +26,12 @@ vocabulary, no room left in the context), called by the router and by
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, Field, dataclass, field
+from dataclasses import MISSING, Field, dataclass
 from typing import Any
 
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.errors import InvalidRequestError
-from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, SAMPLING_FIELDS
+from pipeserve.sampling_fields import SAMPLING_FIELDS, SamplingValues
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a
 # temperature whose reciprocal leaves float32 would make inf/NaN probabilities.
@@ -42,32 +43,8 @@ MAX_LOGIT_BIAS = 300  # entries of logit_bias at most (OpenAI documents no limit
 
 
 @dataclass
-class SamplingParams:
-    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the context (resolve_max_tokens)
-    temperature: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)  # applied by the router (wire=False)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top k
-    # Structured outputs (engine/grammar.py): "" (off), "json", "json_object", "regex", "choice"
-    # or "grammar"; `structured` is its text (a schema, regex, JSON list of choices, EBNF);
-    # `structured_compact`: JSON without free whitespace (vLLM's disable_any_whitespace).
-    structured_kind: str = ""
-    structured: str = ""
-    structured_compact: bool = False
-    # vLLM's extension: None off; k >= 0: each prompt token's logprob and rank + the top k there
-    # (engine/prompt_logprobs.py); such a request takes no prefix-cache hit (as vLLM v1).
-    prompt_logprobs: int | None = None
-    # Logits processors (vLLM's definitions; engine/penalties.py applies them on the last stage).
-    presence_penalty: float = 0.0  # [-2, 2], over the output tokens so far
-    frequency_penalty: float = 0.0  # [-2, 2], x count of each token in the output so far
-    repetition_penalty: float = 1.0  # > 0 (vLLM's bound), over prompt and output tokens (HF's definition)
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
-    min_tokens: int = 0  # EOS / stop_token_ids / stop strings not before this many output tokens
+class SamplingParams(SamplingValues):
+    """The fields are SamplingValues' (sampling_fields.py: one declaration each); this adds the checks."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -18,8 +18,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from conftest import _hf_model, hf_greedy, random_prompts, record_plans
 from pipeline_support import CongruenceWatch
 from pipeserve import LLM, SamplingParams
+from pipeserve.engine.executor import PlanMismatch
 from pipeserve.engine.plan import NewRequest, SamplingSpec, ScheduledChunk, StepPlan, seal
-from pipeserve.worker.model_runner import PlanMismatch
 from pipeserve.worker.penalties import apply_processors
 from pipeserve.worker.sampler import Sampler
 

@@ -14,6 +14,7 @@ import torch
 
 from conftest import random_prompts
 from pipeserve import LLM, SamplingParams
+from pipeserve.engine.executor import PlanMismatch
 from pipeserve.engine.plan import (
     NewRequest,
     SamplingSpec,
@@ -23,7 +24,6 @@ from pipeserve.engine.plan import (
     seal,
 )
 from pipeserve.ring.messages import Forward, decode_frame, encode_frame
-from pipeserve.worker.model_runner import PlanMismatch
 
 SPEC = SamplingSpec(0.0, -1, 1.0, 0.0, None, None)
 

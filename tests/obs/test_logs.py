@@ -1,7 +1,7 @@
 """Quiet logs: idle passes log nothing, repeated lines are rolled up, JSON lines carry the process's
 identity, and no serving-path log call formats a tensor.
 
-The engine here is the real one (stage/factory.build_engine over the demo checkpoint, one stage,
+The engine here is the real one (stage/assemble.build_engine over the demo checkpoint, one stage,
 in-process) driven by the real EngineLoop; log records are caught by a handler on the root logger
 at DEBUG that formats every record (so every log call's arguments are formatted, as a shipper
 at DEBUG would).
@@ -34,8 +34,8 @@ from pipeserve.obs.ratelimit import RateLimitedLog
 from pipeserve.ring.faults import ENV as FAULTS_ENV
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.stage import engine_loop
+from pipeserve.stage.assemble import build_engine
 from pipeserve.stage.engine_loop import Delta, EngineLoop
-from pipeserve.stage.factory import build_engine
 from serving_support import running_up
 
 pytestmark = pytest.mark.timeout(180)

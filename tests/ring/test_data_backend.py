@@ -10,8 +10,8 @@ import torch
 
 from pipeserve.config import EngineConfig
 from pipeserve.errors import ConfigError
-from pipeserve.ring.build import stage_device
 from pipeserve.ring.group import data_backend
+from pipeserve.stage.assemble import stage_device
 
 
 @pytest.mark.parametrize(

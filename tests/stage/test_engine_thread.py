@@ -13,8 +13,8 @@ import threading
 
 from pipeserve.config import EngineConfig
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.stage.assemble import build_engine
 from pipeserve.stage.engine_loop import Delta, EngineLoop, engine_thread
-from pipeserve.stage.factory import build_engine
 
 
 class QueueSink:

@@ -6,8 +6,8 @@ returning the requests that finished. The engine knows only the Executor
 contract (engine/executor.py): plans go in, StepOutputs come out (engine/plan.py),
 and the pool's size and stage 0's busy meter come from it. The executor — the
 in-process worker/local.py for one stage, or the ring of stage processes
-(ring/leader.py) — is built outside the engine and handed in (stage/factory.py
-`build_engine`), so the engine imports nothing from worker/, ring/ or stage/.
+(ring/leader.py) — is built outside the engine and handed in (stage/assemble.py
+`build_leader`), so the engine imports nothing from worker/, ring/ or stage/.
 """
 
 from __future__ import annotations

@@ -14,10 +14,13 @@ Contract (every implementation):
   stop_group(r)  stage 0 found a divergence: stop every executor, raise GroupStopped
   close()        stop the executors and stage 0's HiCache tiers (clean shutdown); idempotent
 
-Plans go in and StepOutputs come out, both typed in engine/plan.py. The implementations
+Plans go in and StepOutputs come out, both typed in engine/plan.py. A plan that does not fit an
+executing side's state raises PlanMismatch (on a follower, a group stop): the runner (worker/), the
+HiCache tiers (hicache/) and the ring (ring/) all raise it, so it is declared here, with the one
+check they share (`refuse_l2_moves`). The implementations
 are on the executing side: worker/local.py's LocalExecutor runs the whole model in-process
 (one stage, one plan at a time); ring/leader.py's PipelineExecutor drives a ring of stage
-processes. stage/factory.py builds one and hands it in: engine/ imports nothing from worker/,
+processes. stage/assemble.py builds one and hands it in: engine/ imports nothing from worker/,
 ring/ or stage/ (tests/test_import_graph.py).
 """
 
@@ -47,6 +50,16 @@ class Executor(Protocol):
     def num_inflight(self) -> int: ...
     def stop_group(self, reason: str) -> NoReturn: ...
     def close(self) -> None: ...
+
+
+class PlanMismatch(RuntimeError):
+    """The plan is inconsistent with this executor's state."""
+
+
+def refuse_l2_moves(plan: StepPlan) -> None:
+    """On a stage without an L2 pool, a plan that moves blocks through L2 is a divergence."""
+    if plan.l2_saves or plan.l2_loads:
+        raise PlanMismatch(f"step {plan.step_id}: moves blocks through L2, but this stage has no L2 pool")
 
 
 class BusyMeter:

@@ -19,33 +19,39 @@ another request is loaded from.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import xxhash
 from msgspec import UNSET, UnsetType
 
+from pipeserve.sampling_fields import FIELDS, PENALTIES, STAGE_DERIVED, STAGE_FIELDS
 
-class SamplingSpec(msgspec.Struct, array_like=True, frozen=True):
-    """What a stage's sampler needs of a request: the field list's `stage` fields, in its order
-    (sampling_fields.STAGE_FIELDS), then STAGE_DERIVED; tests/test_sampling_fields.py compares them."""
+# A sampling field's type on a plan where it differs from SamplingParams': logit_bias as pairs sorted by
+# token id (one encoding, so one digest, on every stage).
+ON_PLAN = {dict[int, float]: list[tuple[int, float]]}
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int | None
-    logprobs: int | None
-    # Structured outputs (engine/grammar.py): kind ("" off), text, no free JSON whitespace.
-    structured_kind: str = ""
-    structured: str = ""
-    structured_compact: bool = False
-    prompt_logprobs: int | None = None  # score the prompt positions chunks name (score_rows)
-    # Logits processors (engine/penalties.py); the defaults leave a row untouched.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: list[tuple[int, float]] = []  # sorted by token id
-    min_tokens: int = 0
-    min_tokens_stop_ids: list[int] = []  # EOS (unless ignore_eos) + stop_token_ids, masked until min_tokens
+
+def _plan_field(name: str) -> tuple[str, Any, Any]:
+    f = FIELDS[name]
+    return name, ON_PLAN.get(f.type, f.type), [] if isinstance(f.default, tuple | dict) else f.default
+
+
+# The stage fields of the one declaration (sampling_fields.py), in its order (array_like: the order is
+# the encoding), then what stage 0 derives: EOS (unless ignore_eos) + stop_token_ids, masked until
+# min_tokens. Made here, never written out: a field added to the declaration travels without an edit.
+_SpecFields = msgspec.defstruct(
+    "SamplingSpecFields",
+    [*map(_plan_field, STAGE_FIELDS), ("min_tokens_stop_ids", list[int], [])],
+    array_like=True,
+    frozen=True,
+    module=__name__,
+)
+assert _SpecFields.__struct_fields__[len(STAGE_FIELDS) :] == STAGE_DERIVED
+
+
+class SamplingSpec(_SpecFields):  # type: ignore[misc,valid-type]
+    """What a stage's sampler needs of a request; built by name (engine/request.py `sampling_spec`)."""
 
 
 class NewRequest(msgspec.Struct, array_like=True, frozen=True):
@@ -210,4 +216,4 @@ def needs_history(spec: SamplingSpec) -> bool:
     """Whether the spec's penalties read the request's tokens: stage 0 then sends the tokens before
     a request's first chunk (NewRequest.history) and the last stage keeps its token history
     (worker/penalties.py)."""
-    return spec.presence_penalty != 0 or spec.frequency_penalty != 0 or spec.repetition_penalty != 1
+    return any(getattr(spec, name) != FIELDS[name].default for name in PENALTIES)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any, get_args
 
-from pipeserve.engine.plan import SamplingSpec
+from pipeserve.engine.plan import ON_PLAN, SamplingSpec
+from pipeserve.sampling_fields import FIELDS, STAGE_FIELDS
 from pipeserve.sampling_params import SamplingParams
 
 
@@ -99,26 +101,21 @@ class Request:
 
 
 def sampling_spec(req: Request, eos_token_ids: frozenset[int] = frozenset()) -> SamplingSpec:
-    """What the stages' samplers get of a request (its NewRequest in a plan)."""
+    """What the stages' samplers get of a request (its NewRequest in a plan): every stage field of
+    the field list by name, then what stage 0 derives."""
     p = req.params
     stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids)))
-    # Exact field types: the digest covers the encoding, and followers re-encode what
-    # they decoded (an int 0 for a float field would hash differently on the next stage).
-    return SamplingSpec(
-        float(p.temperature),
-        int(p.top_k),
-        float(p.top_p),
-        float(p.min_p),
-        None if p.seed is None else int(p.seed),
-        None if p.logprobs is None else int(p.logprobs),
-        str(p.structured_kind),
-        str(p.structured),
-        bool(p.structured_compact),
-        None if p.prompt_logprobs is None else int(p.prompt_logprobs),
-        float(p.presence_penalty),
-        float(p.frequency_penalty),
-        float(p.repetition_penalty),
-        [(int(t), float(b)) for t, b in sorted(p.logit_bias.items())],
-        int(p.min_tokens),
-        stop_ids if p.min_tokens > 0 else [],
-    )
+    values = {name: on_plan(name, getattr(p, name)) for name in STAGE_FIELDS}
+    return SamplingSpec(**values, min_tokens_stop_ids=stop_ids if p.min_tokens > 0 else [])
+
+
+def on_plan(name: str, value: Any) -> Any:
+    """A field's value with its exact type on the plan: the digest covers the encoding, and followers
+    re-encode what they decoded (an int 0 for a float field would hash differently on the next stage)."""
+    typ = FIELDS[name].type
+    if value is None:
+        return None
+    if typ in ON_PLAN:  # logit_bias: (token id, bias) pairs sorted by token id
+        return [(int(t), float(b)) for t, b in sorted(value.items())]
+    exact = next(a for a in get_args(typ) or (typ,) if a is not type(None))
+    return exact(value)

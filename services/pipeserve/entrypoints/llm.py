@@ -40,9 +40,8 @@ from pipeserve.local.redis_server import LocalRedis
 from pipeserve.model.config import ModelConfig
 from pipeserve.outputs import CompletionOutput, RequestOutput
 from pipeserve.request_defaults import load_defaults
-from pipeserve.ring.build import layer_split
 from pipeserve.sampling_params import SamplingParams, resolve_max_tokens
-from pipeserve.stage.factory import build_engine
+from pipeserve.stage.assemble import build_engine, layer_split
 from pipeserve.tokenizer import TokenizerAssets
 
 Prompt = str | list[int]

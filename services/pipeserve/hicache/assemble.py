@@ -1,4 +1,4 @@
-"""Building a stage's HiCache pieces from its config (called by ring/build.py and stage/factory.py).
+"""Building a stage's HiCache pieces from its config (called by stage/assemble.py).
 
 The L3 fingerprint extends the model fingerprint (config, weight headers and
 sampled weight bytes, dtype) with the group's layer split and block size:

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.engine.executor import refuse_l2_moves
 from pipeserve.engine.plan import LoadAck, LoadOrder, StepPlan
 from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.redis_tier import LoadResult, RedisTier, TierUnavailable
 from pipeserve.hicache.writer import PageWriter
 from pipeserve.histogram import Histogram
 from pipeserve.obs.ratelimit import RateLimitedLog
-from pipeserve.worker.model_runner import refuse_l2_moves
 
 log = logging.getLogger(__name__)
 

@@ -22,22 +22,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from pipeserve.engine.executor import PlanMismatch
 from pipeserve.engine.plan import StepOutput
 from pipeserve.errors import ExitCode, GroupStopped
 from pipeserve.obs import tracing
-from pipeserve.ring.build import Stage
 from pipeserve.ring.leader import warm_activation
+from pipeserve.ring.member import RingStage
 from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
 from pipeserve.ring.plan_trace import PlanTraces
 from pipeserve.ring.replay import activation_digest, recorder_for
 from pipeserve.ring.transport import RingLink
-from pipeserve.worker.model_runner import PlanMismatch
 
 log = logging.getLogger(__name__)
 
 
 class Follower:
-    def __init__(self, stage: Stage) -> None:
+    def __init__(self, stage: RingStage) -> None:
         if stage.link is None or stage.spec.rank == 0:
             raise ValueError("a follower is a stage k > 0 of a ring")
         self.stage = stage

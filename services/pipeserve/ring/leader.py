@@ -28,7 +28,7 @@ import torch
 from pipeserve.engine.executor import BusyMeter
 from pipeserve.engine.plan import StepOutput, StepPlan
 from pipeserve.errors import GroupStopped
-from pipeserve.ring.build import Stage
+from pipeserve.ring.member import RingStage
 from pipeserve.ring.messages import Forward, Heartbeat, Hello, Result, Stop
 from pipeserve.ring.replay import activation_digest, recorder_for
 from pipeserve.ring.transport import RingLink
@@ -37,14 +37,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def warm_activation(stage: Stage) -> torch.Tensor:
+def warm_activation(stage: RingStage) -> torch.Tensor:
     """One row for the Hello frame: the first send on a data link may be a rendezvous (NCCL)."""
     cfg = stage.model_config
     return torch.zeros((1, cfg.hidden_size), dtype=cfg.dtype, device=stage.runner.device)
 
 
 class PipelineExecutor:
-    def __init__(self, stage: Stage) -> None:
+    def __init__(self, stage: RingStage) -> None:
         if stage.link is None:
             raise ValueError("PipelineExecutor needs a ring link")
         self.stage = stage

@@ -33,23 +33,24 @@ import torch
 import xxhash
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.executor import PlanMismatch
 from pipeserve.engine.grammar import GrammarBook
 from pipeserve.engine.plan import SampledToken, ScheduledChunk, StageReport, StepPlan, plan_digest, seal
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader import load_stage_model
 from pipeserve.model.stage_model import StageSpec
 from pipeserve.obs.flight import FlightDump, FlightRecord, FlightRecorder, StageSetup, default_directory
-from pipeserve.ring.build import Stage, layer_split
+from pipeserve.ring.member import RingStage
 from pipeserve.ring.messages import Forward, Result, decode_frame
 from pipeserve.worker.build import build_runner
 from pipeserve.worker.kv_cache import kv_dtype
-from pipeserve.worker.model_runner import ModelRunner, PlanMismatch
+from pipeserve.worker.model_runner import ModelRunner
 
 
-def recorder_for(stage: Stage) -> FlightRecorder:
+def recorder_for(stage: RingStage) -> FlightRecorder:
     """The flight recorder of a stage of a ring, bounded and placed by its EngineConfig."""
     cfg: EngineConfig = stage.config
-    split = layer_split(cfg, stage.model_config)
+    split = stage.split
     setup = StageSetup(
         ",".join(f"{lo}:{hi}" for lo, hi in split),
         cfg.block_size,

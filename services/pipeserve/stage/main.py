@@ -25,7 +25,6 @@ import threading
 import time
 from typing import NoReturn
 
-from pipeserve import env as pipeserve_env
 from pipeserve.care.health import SidePort, StageStatus
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
@@ -35,9 +34,9 @@ from pipeserve.local.launcher import PARENT_ENV
 from pipeserve.obs.flight import DumpOnSignal
 from pipeserve.obs.logs import set_identity
 from pipeserve.obs.tracing import setup_tracing
-from pipeserve.ring.build import build_stage
 from pipeserve.ring.follower import Follower
 from pipeserve.ring.group import Rendezvous
+from pipeserve.stage.assemble import build_stage
 from pipeserve.stage.cache_metrics import stage_tier_metrics
 from pipeserve.stage.engine_metrics import busy_metrics
 from pipeserve.stage.server import serve_leader
@@ -49,7 +48,7 @@ TRACE_FLUSH_S = 3.0  # spans still queued at exit get this long to be exported
 def run_stage(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> NoReturn:
     """Run rank `rdzv.rank` of the group until it ends; exit the process with its status."""
     set_identity(stage=rdzv.rank)  # every log line of this process names its stage (and group)
-    if parent := pipeserve_env.get(PARENT_ENV):
+    if parent := os.environ.get(PARENT_ENV):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
         _watch_parent(int(parent), rdzv.rank)
     threading.excepthook = _thread_died

@@ -55,6 +55,7 @@ from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.rpc.convert import sampling_from_proto
 from pipeserve.rpc.metadata import ADMITTED_KEY
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.stage.assemble import build_leader
 from pipeserve.stage.cache_metrics import leader_tier_metrics, stage_tier_metrics
 from pipeserve.stage.engine_loop import (
     Delta,
@@ -66,7 +67,6 @@ from pipeserve.stage.engine_loop import (
     engine_thread,
 )
 from pipeserve.stage.engine_metrics import busy_metrics, engine_metrics
-from pipeserve.stage.factory import build_engine, stage_tiers
 from pipeserve.stage.request_trace import RequestTrace, generate_interceptor
 
 log = logging.getLogger(__name__)
@@ -281,8 +281,9 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
     """Build the engine (the group forms), serve until SIGTERM or a group stop; the exit status."""
     status.phase = ProcessPhase.JOINING
     thread = engine_thread()
-    # Waiting on the build is calling it: its deadlines (rendezvous, ring) are build_engine's own.
-    engine = thread.submit(build_engine, config, rdzv).result()
+    # Waiting on the build is calling it: its deadlines (rendezvous, ring) are build_leader's own.
+    leader = thread.submit(build_leader, config, rdzv).result()
+    engine, tiers = leader.engine, leader.tiers
     loop = EngineLoop(engine, serve.max_waiting, thread)
     detector = WedgeDetector("stage 0", loop.pending_work, serve.wedge_timeout_s, serve.wedge_grace_s)
     status.detector = detector
@@ -292,7 +293,6 @@ def serve_leader(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous
     status.sources.append(lambda: engine_metrics(loop))
     status.sources.append(lambda: busy_metrics(engine.executor.meter))
     status.sources.append(lambda: leader_tier_metrics(engine))
-    tiers = stage_tiers(engine.executor)
     status.sources.append(lambda: stage_tier_metrics(tiers))
     loop.on_progress = detector.beat
     if isinstance(ring := engine.executor, PipelineExecutor):  # one stage: no ring, nothing recorded

@@ -1,7 +1,7 @@
 """build_runner: one stage's ModelRunner, assembled in one place with everything it uses.
 
 The caller has loaded the stage's model slice and agreed the pool's block count with the group
-(ring/build.py `build_stage`; ring/replay.py for a flight dump's replay). Here the KV pool is
+(stage/assemble.py `build_stage`; ring/replay.py for a flight dump's replay). Here the KV pool is
 allocated (kv_cache.py) and the runner built with its last-stage matchers, HiCache tiers and
 fault hook as constructor arguments: nothing is set on a runner after it is built.
 """
@@ -15,9 +15,10 @@ import torch
 from pipeserve.engine.grammar import GrammarBook
 from pipeserve.engine.plan import ScheduledChunk
 from pipeserve.model.stage_model import StageModel
+from pipeserve.worker.cache_moves import CacheMoves
 from pipeserve.worker.grammar import GrammarRows
 from pipeserve.worker.kv_cache import allocate_pool
-from pipeserve.worker.model_runner import CacheMoves, ModelRunner
+from pipeserve.worker.model_runner import ModelRunner
 
 
 def build_runner(

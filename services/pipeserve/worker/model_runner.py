@@ -22,12 +22,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import torch
 
-from pipeserve.engine.executor import BusyMeter
+from pipeserve.engine.executor import BusyMeter, PlanMismatch
 from pipeserve.engine.plan import (
     LoadAck,
     PromptScores,
@@ -43,41 +42,13 @@ from pipeserve.engine.plan import (
 from pipeserve.model.layers import AttentionBatch, DecodeGroup, PrefillSpan
 from pipeserve.model.stage_model import StageModel
 from pipeserve.worker import prompt_logprobs
+from pipeserve.worker.cache_moves import CacheMoves, no_tiers
 from pipeserve.worker.grammar import GrammarRows
 from pipeserve.worker.penalties import TokenHistories
 from pipeserve.worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
 MIN_DECODE_GROUP = 8
-
-
-class PlanMismatch(RuntimeError):
-    """The plan is inconsistent with this executor's state."""
-
-
-class CacheMoves(Protocol):
-    """A stage's HiCache tiers: apply a plan's block moves to the pool, answer its L3 loads."""
-
-    def execute(self, plan: StepPlan, pool: torch.Tensor) -> list[LoadAck]: ...
-
-    @property
-    def lost_pages(self) -> int:
-        """Pages this stage could not write to L3 so far."""
-        ...
-
-    def close(self) -> None: ...
-
-
-def refuse_l2_moves(plan: StepPlan) -> None:
-    """On a stage without an L2 pool, a plan that moves blocks through L2 is a divergence."""
-    if plan.l2_saves or plan.l2_loads:
-        raise PlanMismatch(f"step {plan.step_id}: moves blocks through L2, but this stage has no L2 pool")
-
-
-def no_tiers(plan: StepPlan) -> list[LoadAck]:
-    """A stage without HiCache: L3 loads are answered "disabled"; an L2 move is a divergence."""
-    refuse_l2_moves(plan)
-    return [LoadAck(o.load_id, "disabled") for o in plan.l3_loads]
 
 
 @dataclass

@@ -1,10 +1,17 @@
-"""Building one stage: its model slice, its KV pool, its runner and its ring link (one place:
-`build_stage`; the runner itself is assembled by worker/build.py, with nothing set afterwards).
+"""A stage assembled in one place from its EngineConfig: model slice, KV pool, HiCache tiers,
+runner, ring link (`build_stage`), and on stage 0 the engine with its executor (`build_leader`).
 
 Order matters for congruence: a stage loads its weights and sizes its pool
 *before* it joins the group, so the identities compared at start-up describe
 what each stage really holds; the pool is then allocated with the group's
-agreed block count, never with a stage's own proposal.
+agreed block count, never with a stage's own proposal. The runner itself is
+built whole by worker/build.py (nothing is set on it afterwards).
+
+The engine (engine/) knows only the Executor protocol: `build_leader` chooses it —
+LocalExecutor (worker/local.py) when the group has one stage, else a PipelineExecutor
+(ring/leader.py) whose ring is formed and warmed before the engine is returned — and
+hands back stage 0's HiCache tiers beside the engine, for its metrics (nobody reaches
+through an executor for them).
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.engine import LLMEngine
+from pipeserve.engine.executor import Executor
 from pipeserve.engine.grammar import GrammarBook
 from pipeserve.errors import ConfigError
-from pipeserve.hicache.assemble import build_stage_tiers, l3_fingerprint, page_layouts
+from pipeserve.hicache.assemble import build_directory, build_stage_tiers, l3_fingerprint, page_layouts
 from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.model.arch import get_arch
@@ -26,18 +35,13 @@ from pipeserve.model.loader import load_stage_model, model_fingerprint
 from pipeserve.model.rope import exact_context
 from pipeserve.model.stage_model import StageSpec
 from pipeserve.ring.faults import Faults
-from pipeserve.ring.group import (
-    Rendezvous,
-    StageIdentity,
-    activation_group,
-    agree,
-    group_blocks,
-    group_host_slots,
-    join,
-)
+from pipeserve.ring.group import Rendezvous, StageIdentity, group_blocks, group_host_slots
+from pipeserve.ring.leader import PipelineExecutor
+from pipeserve.ring.member import join_ring
 from pipeserve.ring.transport import RingLink
 from pipeserve.worker.build import build_runner
 from pipeserve.worker.kv_cache import kv_dtype, num_host_slots, num_kv_blocks
+from pipeserve.worker.local import LocalExecutor
 from pipeserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -72,23 +76,34 @@ def layer_split(config: EngineConfig, cfg: ModelConfig) -> list[tuple[int, int]]
 
 
 def stage_device(config: EngineConfig, rank: int) -> torch.device:
-    """The stage's device: `cuda` is the rank's GPU among those visible (a pod sees its own one)."""
+    """The stage's device, made current when a GPU: `cuda` is the rank's GPU among those visible (a pod
+    sees its own one)."""
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         # A configuration error (exit status 2: the operator marks the group Failed), not a crash loop.
         raise ConfigError(f"device: {config.device} but this process sees no CUDA device")
+    device = torch.device(config.device)
     if config.device == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device(config.device)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device.type == "cuda":
+        # Triton launches on the current device and NCCL binds to it: make it this stage's GPU before
+        # any weight, kernel or communicator is created (cuda:0 is not this stage's GPU in a local group).
+        torch.cuda.set_device(device)
+    return device
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
 class Stage:
-    """What one stage process holds once its group has formed."""
+    """What one stage process holds once its group has formed (ring/member.py's RingStage)."""
 
     config: EngineConfig
     model_config: ModelConfig
     max_model_len: int
     spec: StageSpec
+    split: list[tuple[int, int]]  # every stage's layer range, rank order
     runner: ModelRunner
     link: RingLink | None  # None when the group has one stage
     faults: Faults
@@ -117,10 +132,6 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     split = layer_split(config, cfg)
     spec = StageSpec(rank, config.stages, *split[rank])
     device = stage_device(config, rank)
-    if device.type == "cuda":
-        # Triton launches on the current device and NCCL binds to it: make it this stage's GPU before
-        # any weight, kernel or communicator is created (cuda:0 is not this stage's GPU in a local group).
-        torch.cuda.set_device(device)
     model = load_stage_model(
         config.model, cfg, spec, max_len, device, config.quantization, config.quantization_group_size
     )
@@ -132,28 +143,21 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
     )
     link = None
     if rdzv is not None and config.stages > 1:
-        meta_pg, store = join(rdzv, config.connect_timeout_s)
         identity = StageIdentity(
             rank,
             fingerprint,
             ",".join(f"{lo}:{hi}" for lo, hi in split),
             config.block_size,
             max_len,
-            str(cfg.dtype).removeprefix("torch."),
-            str(pool_dtype).removeprefix("torch."),
+            _dtype_name(cfg.dtype),
+            _dtype_name(pool_dtype),
             blocks,
             str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "",
             host_slots,
             config.l3_url is not None,
         )
-        ids = agree(meta_pg, identity, config.stages, config.connect_timeout_s)
-        blocks = group_blocks(ids)
-        host_slots = group_host_slots(ids)
-        gpus = [i.gpu for i in ids]
-        data_pg = activation_group(rdzv, store, meta_pg, gpus, config.connect_timeout_s)
-        link = RingLink(
-            rank, config.stages, meta_pg, data_pg, cfg.dtype, device, config.ring_timeout_s, faults
-        )
+        link, ids = join_ring(rdzv, config, identity, cfg.dtype, device, faults)
+        blocks, host_slots = group_blocks(ids), group_host_slots(ids)
     layouts = page_layouts(
         l3_fingerprint(fingerprint, split, config.block_size), split, cfg, config.block_size, pool_dtype
     )
@@ -171,10 +175,17 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         tiers=tiers,
         request_check=faults.request_check(rank),
     )
+    _log_ready(config, cfg, spec, blocks, host_slots)
+    return Stage(
+        config, cfg, max_len, spec, split, runner, link, faults, layouts, tiers, book if rank == 0 else None
+    )
+
+
+def _log_ready(config: EngineConfig, cfg: ModelConfig, spec: StageSpec, blocks: int, host_slots: int) -> None:
     log.info(
         "stage %d/%d ready to join the ring: layers [%d, %d) of %d, %d KV blocks of %d tokens, "
         "L2 %d slots, L3 %s",
-        rank,
+        spec.rank,
         config.stages,
         spec.layer_lo,
         spec.layer_hi,
@@ -184,6 +195,39 @@ def build_stage(config: EngineConfig, rdzv: Rendezvous | None, faults: Faults | 
         host_slots,
         "on" if config.l3_url else "off",
     )
-    return Stage(
-        config, cfg, max_len, spec, runner, link, faults, layouts, tiers, book if rank == 0 else None
+
+
+@dataclass
+class Leader:
+    """Stage 0 assembled: its engine (with the executor inside) and its HiCache tiers (None: none)."""
+
+    engine: LLMEngine
+    tiers: StageTiers | None
+
+
+def build_leader(config: EngineConfig, rendezvous: Rendezvous | None = None) -> Leader:
+    if config.stages > 1 and rendezvous is None:
+        raise ConfigError("stages: a group of several stages needs a rendezvous (LLM starts one)")
+    stage = build_stage(config, rendezvous)
+    executor: Executor
+    if stage.link is None:
+        executor = LocalExecutor(stage.runner)
+    else:
+        ring = PipelineExecutor(stage)
+        ring.form_ring()
+        executor = ring
+    engine = LLMEngine(
+        config,
+        stage.model_config,
+        stage.max_model_len,
+        executor,
+        grammar_book=stage.grammar_book,
+        host_slots=stage.host_slots,
+        l3=build_directory(config, stage.layouts),
     )
+    return Leader(engine, stage.tiers)
+
+
+def build_engine(config: EngineConfig, rendezvous: Rendezvous | None = None) -> LLMEngine:
+    """Stage 0's engine alone (the offline LLM): see build_leader."""
+    return build_leader(config, rendezvous).engine
