@@ -155,8 +155,7 @@ def _passed_marker(engine: EngineConfig, argv: list[str], home: Path | None) -> 
 def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeserve.model_path")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--stages", type=int, default=1)
-    add_config_args(parser, EngineConfig)
+    add_config_args(parser, EngineConfig, skip={"model", "log_dir"})  # --stages included
     args = parser.parse_args(argv)
     try:
         check_config(config_from_args(EngineConfig, args, model=args.model, stages=args.stages))

@@ -25,6 +25,7 @@ import threading
 import time
 from typing import NoReturn
 
+from pipeserve import env as pipeserve_env
 from pipeserve.care.health import SidePort, StageStatus
 from pipeserve.care.wedge import WedgeDetector
 from pipeserve.config import EngineConfig, StageServeConfig
@@ -48,7 +49,7 @@ TRACE_FLUSH_S = 3.0  # spans still queued at exit get this long to be exported
 def run_stage(config: EngineConfig, serve: StageServeConfig, rdzv: Rendezvous) -> NoReturn:
     """Run rank `rdzv.rank` of the group until it ends; exit the process with its status."""
     set_identity(stage=rdzv.rank)  # every log line of this process names its stage (and group)
-    if parent := os.environ.get(PARENT_ENV):
+    if parent := pipeserve_env.get(PARENT_ENV):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the group stops
         _watch_parent(int(parent), rdzv.rank)
     threading.excepthook = _thread_died
