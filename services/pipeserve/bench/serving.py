@@ -190,11 +190,7 @@ def _model_name(args: argparse.Namespace) -> str:
     return asyncio.run(fetch())
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    import httpx
-
-    from pipeserve.bench import metrics, multiturn, overhead
-
+def _check_args(args: argparse.Namespace) -> None:
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
     if args.router_overhead and not args.grpc:
@@ -205,31 +201,38 @@ def run_bench(args: argparse.Namespace) -> int:
         from pipeserve.bench import plot
 
         plot.require()  # before the run: a missing matplotlib is said at once
-    args.progress = sys.stderr.isatty() and not args.quiet
-    if args.compare:
-        from pipeserve.bench import compare
 
-        return compare.run_compare_cli(args, _args_line(args))
-    results: list[RequestResult] = []
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    summary: dict | None = None
-    over: dict | None = None
-    try:
-        if args.router_overhead:
-            model = _model_name(args)
-            over = overhead.measure_router_overhead(
-                args.url, args.grpc, model, args.num_requests, args.warmup, args.timeout_s, args.api_key
-            )
-            print(overhead.format_overhead(over))
-        elif args.workload == "multi-turn":
-            conversations = build_conversations(args)
-            model, summary, results = asyncio.run(multiturn.serve_results(args, conversations, args.progress))
-        else:
-            requests = build_workload(args)
-            model, summary, results = asyncio.run(_serve(args, requests))
-    except (httpx.HTTPError, ConnectionError) as e:
-        print(f"pipeserve bench: cannot benchmark {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+
+def _measure(args: argparse.Namespace) -> tuple[str, dict | None, list[RequestResult], dict | None]:
+    """(model, the workload's summary, its requests' results, the router-overhead figures)."""
+    from pipeserve.bench import multiturn, overhead
+
+    if args.router_overhead:
+        model = _model_name(args)
+        over = overhead.measure_router_overhead(
+            args.url, args.grpc, model, args.num_requests, args.warmup, args.timeout_s, args.api_key
+        )
+        print(overhead.format_overhead(over))
+        return model, None, [], over
+    if args.workload == "multi-turn":
+        conversations = build_conversations(args)
+        model, summary, results = asyncio.run(multiturn.serve_results(args, conversations, args.progress))
+    else:
+        model, summary, results = asyncio.run(_serve(args, build_workload(args)))
+    return model, summary, results, None
+
+
+def _report(
+    args: argparse.Namespace,
+    started: str,
+    model: str,
+    summary: dict | None,
+    results: list[RequestResult],
+    over: dict | None,
+) -> None:
+    """The table on stdout, and the JSON, plot and RESULTS.md section asked for."""
+    from pipeserve.bench import metrics, multiturn
+
     mode = "router overhead" if args.router_overhead else f"{args.workload} workload"
     header = {
         "Mode": mode,
@@ -253,6 +256,8 @@ def run_bench(args: argparse.Namespace) -> int:
         }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:
+        from pipeserve.bench import plot
+
         title = f"{args.label or mode}: {model}, concurrency {args.concurrency}"
         print(f"# plot written to {plot.write_plot(results, args.plot, title)}", file=sys.stderr)
     if args.results_md:
@@ -263,8 +268,24 @@ def run_bench(args: argparse.Namespace) -> int:
             section += "\n" + "\n".join(multiturn.turn_table_md(summary)) + "\n"
         with open(args.results_md, "a", encoding="utf-8") as f:
             f.write("\n" + section)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import httpx
+
+    _check_args(args)
+    args.progress = sys.stderr.isatty() and not args.quiet
+    if args.compare:
+        from pipeserve.bench import compare
+
+        return compare.run_compare_cli(args, _args_line(args))
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    try:
+        model, summary, results, over = _measure(args)
+    except (httpx.HTTPError, ConnectionError) as e:
+        print(f"pipeserve bench: cannot benchmark {args.url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    _report(args, started, model, summary, results, over)
     if over is not None:
-        ok = over["router"]["ok"] and over["direct"]["ok"]
-    else:
-        ok = summary is not None and summary["completed"]
-    return 0 if ok else 1
+        return 0 if over["router"]["ok"] and over["direct"]["ok"] else 1
+    return 0 if summary is not None and summary["completed"] else 1
