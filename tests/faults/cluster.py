@@ -117,6 +117,7 @@ class Cluster:
         if not healthy:
             self.restart_group()
             self.wait_ready()
+        self.wait_compilers()  # each test starts on a warm group (its structured requests compile)
 
     def _ready(self) -> bool:
         urls = [self.health_url(h) + "/readyz" for h in self.stage_hosts] + [self.url + "/health"]

@@ -28,7 +28,7 @@ _CLUSTER: Cluster | None = None
 @pytest.fixture(scope="session", name="_faults_cluster")
 def session_cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A 2-stage group, its router and Redis, each on its own host, for the whole suite (a start
-    takes 10-40 s: stage 0 warms its grammar workers before it is ready); torn down at the end, and
+    takes 10-40 s, then stage 0's grammar workers warm beside the ready group); torn down at the end, and
     the teardown asserts nothing (namespace, link, process) is left."""
     global _CLUSTER
     if _CLUSTER is None:  # each module imports this fixture: one definition each, one cluster
