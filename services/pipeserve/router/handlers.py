@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -48,10 +48,11 @@ from pipeserve.router.edge import (
 )
 from pipeserve.router.errors import APIError
 from pipeserve.router.metrics import RouterMetrics
-from pipeserve.router.protocol import parse_chat, parse_completion
+from pipeserve.router.protocol import CompletionRequest, parse_chat, parse_completion
 from pipeserve.router.replicas import ReplicaSet
-from pipeserve.router.responses import SSE_DONE, Formatter, sse
+from pipeserve.router.responses import Formatter
 from pipeserve.router.serving import Choice, Generation
+from pipeserve.router.sse_events import sse_events
 from pipeserve.router.tools import ToolCallOutput, check_parser, note_ignored_tools
 from pipeserve.router.trace import RequestAttributes
 from pipeserve.router.upstream import Upstream
@@ -109,25 +110,8 @@ class Router:
         slot = self._acquire(len(req.prompts) * req.best_of, param)
         try:
             max_len, vocab = self.limits()
-            ids = await self._off_loop(
-                lambda: [
-                    self.tok.encode_prompt(p, req.add_special_tokens, max_len, "prompt")
-                    if isinstance(p, str)
-                    else p
-                    for p in req.prompts
-                ]
-            )
-            fmt = Formatter(
-                False,
-                f"cmpl-{uuid.uuid4().hex}",
-                self.config.model_name,
-                self.tok,
-                req.params.logprobs is not None,
-                req.return_token_ids,
-                req.echo,
-                req.prompt_logprobs,
-                req.params.logprobs or 0,
-            )
+            ids = await self._off_loop(lambda: self._prompt_ids(req, max_len))
+            fmt = _completion_formatter(req, self.config.model_name, self.tok)
             params = [
                 self._resolve(
                     x, req.params, "prompt", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
@@ -162,6 +146,13 @@ class Router:
         finally:
             if not slot.handed_off:
                 slot.release()
+
+    def _prompt_ids(self, req: CompletionRequest, max_len: int) -> list[list[int]]:
+        """Each prompt's token ids: text encoded (its length checked), ids as given."""
+        return [
+            self.tok.encode_prompt(p, req.add_special_tokens, max_len, "prompt") if isinstance(p, str) else p
+            for p in req.prompts
+        ]
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -308,7 +299,7 @@ class Router:
             gen.close()
             slot.release()
 
-        return SSEResponse(self._sse(gen, fmt, include_usage), cleanup)
+        return SSEResponse(sse_events(gen, fmt, include_usage, self._ending), cleanup)
 
     def _family(
         self,
@@ -337,59 +328,10 @@ class Router:
         await gen.open()
         return await gen.results()
 
-    async def _sse(self, gen: Generation, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
-        try:
-            for c in gen.choices:
-                opening = fmt.role_chunk(c.index, c.result)
-                if opening is not None:
-                    yield sse(opening)
-            async for c, ev in self._unless_ending(gen.events()):
-                if (
-                    ev.text
-                    or ev.tokens
-                    or ev.finish_reason is not None
-                    or (fmt.return_token_ids and ev.token_ids)
-                ):
-                    chunk = fmt.chunk(c.index, ev.text, ev.tokens, ev.finish_reason, ev.token_ids)
-                    if chunk is not None:  # None: text a tool-call parser holds back
-                        yield sse(chunk)
-            if include_usage:
-                yield sse(fmt.usage_chunk(gen.selected()))
-        except APIError as e:
-            yield errors.error_event(e)
-        except Exception:  # a router bug: end the stream in the error shape, loudly in the log
-            log.exception("stream %s failed", fmt.id)
-            yield errors.error_event(errors.internal("internal error while streaming"))
-        gen.record_trace()
-        yield SSE_DONE
-
     def end_streams(self) -> None:
         """Every open stream ends now with an error event and `[DONE]` (shutdown: RouterServer calls
         this just before uvicorn's graceful-shutdown deadline cancels the response tasks)."""
         self._ending.set()
-
-    async def _unless_ending(self, events: AsyncIterator[T]) -> AsyncIterator[T]:
-        """`events`, until end_streams() is called: then an APIError (503) instead of the next one."""
-        ending = asyncio.ensure_future(self._ending.wait())
-        step: asyncio.Future | None = None
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(events))
-                await asyncio.wait({step, ending}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    raise errors.unavailable(
-                        "the server is shutting down: the stream ended at its drain deadline"
-                    )
-                try:
-                    item = step.result()
-                except StopAsyncIteration:
-                    return
-                yield item
-        finally:  # also when the response is closed early (client gone): nothing stays pending
-            ending.cancel()
-            if step is not None:
-                step.cancel()
 
     # --- the rest of the API -------------------------------------------------
     def models(self, request: Request) -> dict:
@@ -437,3 +379,17 @@ class Router:
                 )
                 raise errors.unavailable(f"probe of group {g.name} failed: {why}")
             return JSONResponse({"status": "ok", "group": g.name, "probe": True})
+
+
+def _completion_formatter(req: CompletionRequest, model_name: str, tok: TokenizerAssets) -> Formatter:
+    return Formatter(
+        False,
+        f"cmpl-{uuid.uuid4().hex}",
+        model_name,
+        tok,
+        req.params.logprobs is not None,
+        req.return_token_ids,
+        req.echo,
+        req.prompt_logprobs,
+        req.params.logprobs or 0,
+    )
