@@ -25,8 +25,8 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from pipeserve.config import RouterConfig
-from pipeserve.router.app import build_app, uvicorn_server
-from pipeserve.router.replicas import ReplicaSet
+from pipeserve.router.http.app import build_app, uvicorn_server
+from pipeserve.router.upstream.replicas import ReplicaSet
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from serving_support import wait_until

@@ -338,7 +338,7 @@ def light_modules(graph: dict[str, set[str]]) -> set[str]:
 def test_router_and_operator_import_no_torch() -> None:
     graph = import_graph()
     light = light_modules(graph)
-    assert "pipeserve_operator.resources" in light and "pipeserve.router.app" in light  # the graph sees them
+    assert "pipeserve_operator.resources" in light and "pipeserve.router.http.app" in light  # graph sees them
     chains = heavy_chains({m: path.read_text() for m, path in _modules().items()})
     assert "pipeserve.ring.group" in chains  # the checker sees torch where it is
     bad = {m: " -> ".join(chains[m]) for m in sorted(light) if m in chains}

@@ -17,7 +17,7 @@ from pipeserve import LLM, SamplingParams
 from pipeserve.cli import main
 from pipeserve.errors import ConfigError, ExitCode, ModelLoadError
 from pipeserve.request_defaults import MODEL_KEYS, NO_DEFAULTS, load_defaults
-from pipeserve.router.protocol import parse_chat, parse_completion
+from pipeserve.router.api.protocol import parse_chat, parse_completion
 from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, FIELDS
 
 USER = [{"role": "user", "content": "hi"}]

@@ -21,8 +21,8 @@ from pipeserve.cli import build_parser, main
 from pipeserve.engine.plan import ON_PLAN, SamplingSpec
 from pipeserve.engine.request import Request, sampling_spec
 from pipeserve.errors import ExitCode, InvalidRequestError
-from pipeserve.router import openapi
-from pipeserve.router.protocol import parse_chat, parse_completion
+from pipeserve.router.api import openapi
+from pipeserve.router.api.protocol import parse_chat, parse_completion
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc.convert import sampling_from_proto
 from pipeserve.sampling_fields import (
@@ -245,7 +245,7 @@ def test_the_wire_checker_reads_types_and_presence() -> None:
 # A field of the same name and type that is another concept (not a copy of a sampling field).
 NOT_SAMPLING = {
     ("pipeserve.model.moe", "MoeSpec", "top_k"),  # experts per token
-    ("pipeserve.router.protocol", "CompletionRequest", "prompt_logprobs"),  # the client's, before echo
+    ("pipeserve.router.api.protocol", "CompletionRequest", "prompt_logprobs"),  # the client's, before echo
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from pipeserve import LLM
 from pipeserve.errors import InvalidRequestError
-from pipeserve.router.protocol import parse_chat, parse_completion
+from pipeserve.router.api.protocol import parse_chat, parse_completion
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc.convert import WIRE_FIELDS, sampling_from_proto, sampling_to_proto
 from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
@@ -38,7 +38,7 @@ NON_DEFAULT = {
     "logit_bias": {1: -100.0, 1023: 2.5},
     "min_tokens": 3,
 }
-# Read from other JSON fields (router/structured.py): response_format, guided_*, structured_outputs.
+# Read from other JSON fields (router/features/structured.py): response_format, guided_*, structured_outputs.
 STRUCTURED = {"structured_kind", "structured", "structured_compact"}
 
 

@@ -17,7 +17,7 @@ transformers (5.x, `utils/chat_template_utils.py`) gives it, so a prompt is the 
 A template's own failure (`raise_exception`, a jinja error, any exception its code raises on the
 request's values) is an InvalidRequestError naming the field that fed it: a 400, never a 500.
 `reads_tools(source)`: whether a template reads the `tools` variable at all; one that does not
-drops a request's tools (the router then says so: router/tools.py `note_ignored_tools`).
+drops a request's tools (the router then says so: router/features/tools.py `note_ignored_tools`).
 """
 
 from __future__ import annotations

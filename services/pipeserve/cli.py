@@ -210,7 +210,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from pipeserve.bench.serving import add_bench_parser
-    from pipeserve.router.standalone import add_router_parser
+    from pipeserve.router.http.standalone import add_router_parser
     from pipeserve.supervisor.up import add_up_parser
 
     parser = argparse.ArgumentParser(prog="pipeserve")

@@ -5,7 +5,7 @@ checks everywhere); SAMPLING_FIELDS is read from it. Derived from it (and checke
 tests/test_sampling_fields.py, which also fails on a second hand-written declaration elsewhere):
 * `SamplingParams` (sampling_params.py): a subclass adding the checks; `validate` enforces each
   field's numeric bounds from here (the other checks, of shape, are its own);
-* the OpenAPI document (router/openapi.py): each field's JSON `minimum` / `maximum` /
+* the OpenAPI document (router/api/openapi.py): each field's JSON `minimum` / `maximum` /
   `exclusiveMinimum` and its description;
 * `pipeserve generate`'s flags (cli.py): one flag per field marked `cli`;
 * `SamplingSpec` (engine/plan.py): a msgspec Struct made from the `stage` fields, in this order,

@@ -5,7 +5,7 @@ bounds, help, where each travels): SamplingParams subclasses its declaration
 (SamplingValues), so it has exactly its fields, in its order, and `validate`
 enforces its bounds.
 The router builds `SamplingParams` straight from the JSON body
-(router/protocol.py reads each field by its annotation here), `rpc/convert.py`
+(router/api/protocol.py reads each field by its annotation here), `rpc/convert.py`
 maps it to and from `pb.SamplingParams` by field name, and the engine reads it.
 Validation raises InvalidRequestError naming the field, at construction, so a
 bad request never reaches the scheduler.

@@ -16,7 +16,7 @@ from pathlib import Path
 from checker import Case
 
 from conftest import hf_constrained_greedy, hf_greedy, random_prompts
-from pipeserve.router.structured import parse_structured
+from pipeserve.router.features.structured import parse_structured
 
 MAX_TOKENS = 6
 SCHEMA = {

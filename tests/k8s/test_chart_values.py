@@ -24,7 +24,7 @@ import pytest
 import yaml
 from chart_support import CHART, Tools, k8s_tools
 
-from pipeserve.router.models_file import parse_models
+from pipeserve.router.upstream.models_file import parse_models
 
 EXAMPLE = ["--set", "example.enabled=true"]
 

@@ -337,7 +337,7 @@ def test_the_router_serves_without_torch(llama_dir: Path, tmp_path: Path) -> Non
             raise AssertionError("the router did not exit within 30 s of SIGTERM") from None
     assert proc.returncode == 0, log.read_text()[-3000:]
     loaded = _loaded(report)
-    assert "pipeserve.router.app" in loaded and "pipeserve.tokenizer" in loaded, loaded  # it did serve
+    assert "pipeserve.router.http.app" in loaded and "pipeserve.tokenizer" in loaded, loaded  # it did serve
 
 
 def test_the_operator_runs_without_torch(tmp_path: Path) -> None:

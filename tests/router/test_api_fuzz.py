@@ -138,7 +138,7 @@ SAMPLING = {
         }
     )
     | ANY,
-    # Structured outputs (router/structured.py): vLLM's guided_* and structured_outputs.
+    # Structured outputs (router/features/structured.py): vLLM's guided_* and structured_outputs.
     "guided_json": SCHEMA,
     "guided_regex": st.sampled_from(["[a-z]{1,5}", "(", "a*", "\\d+"]) | ANY,
     "guided_choice": st.lists(TEXT, max_size=3) | ANY,

@@ -1,7 +1,7 @@
 """schemathesis fuzzes both OpenAI endpoints from the router's own /openapi.json, live.
 
 A `pipeserve up --stages 2 --replicas 2` on the demo model serves the
-document (router/openapi.py); schemathesis generates request bodies for
+document (router/api/openapi.py); schemathesis generates request bodies for
 `POST /v1/completions` and `POST /v1/chat/completions` from it, with a fixed
 seed and a bounded number of examples. The laws (DESIGN §2.5):
 * no response >= 500, whatever the body (schemathesis' not_a_server_error);
@@ -55,7 +55,7 @@ DEPLOYMENT_LIMITS = (
     "--tool-call-parser",  # tool_choice auto (the default with tools) on a server without a parser
     "chat template failed",  # a chat_template_kwargs value the deployment's template cannot use
     "does not appear in the prompt",  # continue_final_message with a template that drops the message
-    # Cross-field rules of tool calling no JSON schema states (router/openapi_tools.py says them in words)
+    # Cross-field rules of tool calling no JSON schema states (router/api/openapi_tools.py says them in words)
     "needs a non-empty tools list",  # any tool_choice but none
     "names no function in tools",
     "duplicates the name of an earlier tool",

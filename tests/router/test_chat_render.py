@@ -18,8 +18,8 @@ from tools_support import ROUND_TRIP, TOOLS, hf_messages
 from transformers import AutoTokenizer
 
 from pipeserve.errors import InvalidRequestError
+from pipeserve.router.api.protocol import parse_chat
 from pipeserve.router.errors import APIError
-from pipeserve.router.protocol import parse_chat
 from pipeserve.tokenizer import TokenizerAssets
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]

@@ -4,7 +4,7 @@ The probe saw 135 lines of `WARNING asyncio: socket.send() raised exception.` wh
 clients disconnected: asyncio logs one per write after a failed one, until the protocol hears of
 the loss on the loop's next turn, and a stream's opening chunks (one per choice) are written in
 one burst. Here 2 x 40 clients each ask for a streamed chat of n=64 choices, read one byte of the
-answer and reset the connection (SO_LINGER 0): 195 such lines in a run before router/http_guard.py's
+answer and reset the connection (SO_LINGER 0): 195 such lines in a run before router/http/http_guard.py's
 _WriteGuard, none now. The router then still serves.
 """
 

@@ -1,5 +1,5 @@
-"""The families' parsers, alone: mistral's `[TOOL_CALLS]` (router/tool_parsers/mistral.py) and the
-`<think>` reasoning split (router/reasoning.py).
+"""The families' parsers, alone: mistral's `[TOOL_CALLS]` (router/features/tool_parsers/mistral.py) and the
+`<think>` reasoning split (router/features/reasoning.py).
 
 As for the other tool parsers (test_tools_parsers.py), every case is checked three ways: one push,
 every two-piece split, one character per push; the results must be equal, and text that may still
@@ -15,9 +15,9 @@ import pytest
 from pipeserve.config import REASONING_PARSERS as REASONING_CHOICES
 from pipeserve.config import TOOL_CALL_PARSERS, RouterConfig
 from pipeserve.errors import ConfigError
-from pipeserve.router.reasoning import REASONING_PARSERS, ReasoningSplitter, split
-from pipeserve.router.tool_parsers import PARSERS, Text, merge
-from pipeserve.router.tools import ToolCallOutput, parse_tools
+from pipeserve.router.features.reasoning import REASONING_PARSERS, ReasoningSplitter, split
+from pipeserve.router.features.tool_parsers import PARSERS, Text, merge
+from pipeserve.router.features.tools import ToolCallOutput, parse_tools
 
 WEATHER = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ("get_time", '{"tz": "Europe/Paris"}')

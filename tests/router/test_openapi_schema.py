@@ -1,4 +1,4 @@
-"""router/openapi.py documents what protocol.py accepts: every SamplingParams field is in both request
+"""router/api/openapi.py documents what protocol.py accepts: every SamplingParams field is in both request
 schemas (generated, so a new field shows up by itself), and each documented bound is the validator's."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import fields
 import pytest
 
 from pipeserve.errors import InvalidRequestError
-from pipeserve.router import openapi
-from pipeserve.router.protocol import parse_chat, parse_completion
+from pipeserve.router.api import openapi
+from pipeserve.router.api.protocol import parse_chat, parse_completion
 from pipeserve.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""What one request may cost (router/cost.py): prompt tokens x prompt_logprobs, and prompts x
+"""What one request may cost (router/features/cost.py): prompt tokens x prompt_logprobs, and prompts x
 best_of x max_tokens, each bounded by a RouterConfig limit; above it a 400 in OpenAI's shape that
 names the field the client sent, nothing reaches a group, and the server keeps serving."""
 

@@ -1,6 +1,6 @@
 """n, best_of and the logprobs limit, through the router to live groups (two single-stage groups).
 
-Contract (router/fanout.py): choice index = prompt × n + j; seeded choice j equals a separate
+Contract (router/upstream/fanout.py): choice index = prompt × n + j; seeded choice j equals a separate
 request with seed + j; best_of returns the n candidates of highest cumulative logprob; usage counts
 a prompt once; siblings open on the leader's group after its first token, so they hit its cached
 prompt blocks; a client gone mid-stream aborts every choice; logprobs > MAX_LOGPROBS is refused by

@@ -271,8 +271,8 @@ def test_routes_added_by_the_caller_get_the_same_error_shape(llama_dir: Path) ->
     from prometheus_client import CollectorRegistry
 
     from pipeserve.config import RouterConfig
-    from pipeserve.router.app import build_app
-    from pipeserve.router.replicas import ReplicaSet
+    from pipeserve.router.http.app import build_app
+    from pipeserve.router.upstream.replicas import ReplicaSet
 
     registry = CollectorRegistry()
     config = RouterConfig(model=str(llama_dir))

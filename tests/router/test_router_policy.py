@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from pipeserve.router.policy import (
+from pipeserve.router.upstream.policy import (
     GroupState,
     affinity_key,
     candidates,

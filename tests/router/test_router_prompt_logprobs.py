@@ -1,6 +1,6 @@
 """echo and prompt_logprobs through the router to a live group, against transformers (float32).
 
-Contract (router/echo.py): completions' echo puts the prompt first in the text and, with logprobs,
+Contract (router/features/echo.py): completions' echo puts the prompt first in the text and, with logprobs,
 the prompt's tokens first in the legacy logprobs (the first null); max_tokens 0 only with echo;
 prompt_logprobs is vLLM's list (null first), per choice on completions, top level on chat, in the
 first streamed chunk.

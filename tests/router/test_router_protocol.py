@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeserve.errors import InvalidRequestError
+from pipeserve.router.api.protocol import parse_chat, parse_completion
 from pipeserve.router.errors import APIError
-from pipeserve.router.protocol import parse_chat, parse_completion
 from pipeserve.rpc.convert import sampling_to_proto
 from pipeserve.sampling_params import check_prompt, resolve_max_tokens
 

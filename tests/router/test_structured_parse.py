@@ -1,4 +1,4 @@
-"""router/structured.py: every spelling of a structured output normalizes to one spec; bad shapes
+"""router/features/structured.py: every spelling of a structured output normalizes to one spec; bad shapes
 and two kinds are 400s naming the field (no live group: the compile check is stage 0's)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from pipeserve.router.api.protocol import parse_chat, parse_completion
 from pipeserve.router.errors import APIError
-from pipeserve.router.protocol import parse_chat, parse_completion
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 COMPACT = {"disable_any_whitespace": True}

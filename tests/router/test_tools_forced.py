@@ -1,6 +1,6 @@
 """`tool_choice: required` and a named function, enforced end to end (needs guided_json on chat).
 
-router/tools.py forces these choices by setting the request's `guided_json` to vLLM's schema;
+router/features/tools.py forces these choices by setting the request's `guided_json` to vLLM's schema;
 the structured-output path enforces it on the live model. Whatever the (random) demo model
 would write, the output then parses into calls whose arguments satisfy the tool's schema.
 Enum-only parameters keep the forced outputs short.

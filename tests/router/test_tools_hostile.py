@@ -25,9 +25,10 @@ from openai.types.chat import ChatCompletion
 from tokenizers import Tokenizer
 from tools_support import QWEN_TOOLS_TEMPLATE, TOOLS
 
-from pipeserve.router import errors, structured
-from pipeserve.router.protocol import parse_chat
-from pipeserve.router.tools import TOOLS_IGNORED
+from pipeserve.router import errors
+from pipeserve.router.api.protocol import parse_chat
+from pipeserve.router.features import structured
+from pipeserve.router.features.tools import TOOLS_IGNORED
 from router_support import RouterHarness, ScriptedStage
 
 USER = [{"role": "user", "content": "Time in Paris?"}]

@@ -10,7 +10,14 @@ import json
 
 import pytest
 
-from pipeserve.router.tool_parsers import PARSERS, NamedParser, RequiredParser, Text, ToolParser, merge
+from pipeserve.router.features.tool_parsers import (
+    PARSERS,
+    NamedParser,
+    RequiredParser,
+    Text,
+    ToolParser,
+    merge,
+)
 
 W = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 T = '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}'

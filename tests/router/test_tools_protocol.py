@@ -1,4 +1,4 @@
-"""Tool-calling requests (router/tools.py): 400s naming the exact field, the template's inputs as
+"""Tool-calling requests (router/features/tools.py): 400s naming the exact field, the template's inputs as
 transformers gives them, and the JSON schemas that force `required` / a named function."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from pipeserve.config import TOOL_CALL_PARSERS, RouterConfig
 from pipeserve.errors import ConfigError
+from pipeserve.router.api.openapi import chat_request
+from pipeserve.router.api.protocol import parse_chat
 from pipeserve.router.errors import APIError
-from pipeserve.router.openapi import chat_request
-from pipeserve.router.protocol import parse_chat
-from pipeserve.router.tool_parsers import PARSERS
-from pipeserve.router.tools import check_parser, forced_schema
+from pipeserve.router.features.tool_parsers import PARSERS
+from pipeserve.router.features.tools import check_parser, forced_schema
 from pipeserve.tokenizer import TokenizerAssets
 
 USER = [{"role": "user", "content": "hi"}]

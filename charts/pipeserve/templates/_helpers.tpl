@@ -109,7 +109,7 @@ url
 {{- if .Values.operator.watchNamespace }}Role{{ else }}ClusterRole{{ end -}}
 {{- end }}
 
-{{/* The router's --models file (router/models_file.py): router.pipelines, each served name once. */}}
+{{/* The router's --models file (router/upstream/models_file.py): router.pipelines, each served name once. */}}
 {{- define "pipeserve.routerModels" -}}
 {{- $seen := dict }}
 {{- range .Values.router.pipelines }}

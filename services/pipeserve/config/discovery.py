@@ -18,7 +18,7 @@ R = "router"
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One model of `pipeserve router --models FILE` (router/models_file.py reads the file): the name
+    """One model of `pipeserve router --models FILE` (router/upstream/models_file.py reads the file): the name
     clients send, its tokenizer, and where its groups come from: an InferencePipeline (`pipeline`, with
     --discover kubernetes) or host:port list (`upstream`, static). `policy` None: --policy if given,
     else the InferencePipeline's spec.router.policy, else round_robin."""

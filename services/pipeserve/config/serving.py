@@ -16,7 +16,7 @@ from pipeserve.sampling_fields import SAMPLING_FIELDS
 POLICIES = ("round_robin", "least_load", "prefix_affinity")
 # --tool-call-parser's names (vLLM's); router/tool_parsers' registry holds the same (a test checks)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-# --reasoning-parser's names (vLLM's); router/reasoning.py's registry holds the same (a test checks)
+# --reasoning-parser's names (vLLM's); router/features/reasoning.py's registry holds the same (a test checks)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # Where requests' default sampling values come from (request_defaults.py), vLLM's --generation-config:
 # auto: the model's generation_config.json; vllm: none from the model; or a directory holding one.
@@ -170,7 +170,7 @@ class RouterConfig:
     tokenizer_threads: int = opt(
         2, "the router's pool for tokenization and chat rendering", group="router", range="in [1, 64]"
     )
-    # Slow or hostile clients (router/http_guard.py): otherwise 408 / 431, closed.
+    # Slow or hostile clients (router/http/http_guard.py): otherwise 408 / 431, closed.
     header_timeout_s: float = opt(
         10.0,
         "a connection's request line and headers must arrive within this of its start or last response",
@@ -188,7 +188,8 @@ class RouterConfig:
     body_timeout_s: float = opt(
         30.0, "a body must arrive whole within this of its headers", group="router", unit="s", range="> 0"
     )
-    # What one request may cost (router/cost.py): above either limit, a 400 naming the client's field.
+    # What one request may cost (router/features/cost.py): above either limit, a 400 naming the
+    # client's field.
     max_prompt_scoring: int = opt(
         131072,
         "prompt tokens x prompt_logprobs (echo's logprobs; at least 1) one request may have scored, summed "

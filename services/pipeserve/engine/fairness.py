@@ -18,7 +18,7 @@ Three rules, each the scheduler's (engine/scheduler.py) and so decided on stage 
   the prompts that want tokens (running prompts and the waiting requests with a free seat):
   a short prompt gets all it needs, the long ones share the rest equally.
 * **Families** (`family`, `fair_order`): the router sends a response's upstream calls as
-  `<response id>-<prompt>[-<candidate>]` (router/handlers.py, router/fanout.py), so `n`,
+  `<response id>-<prompt>[-<candidate>]` (router/http/handlers.py, router/upstream/fanout.py), so `n`,
   `best_of` and a list of prompts are one family. Waiting requests are admitted round-robin by
   family (fewest seats held first, then arrival), and a family holding fewer seats than the
   largest one (by two or more) may take a seat from it by preemption when every seat is held:

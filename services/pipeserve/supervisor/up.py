@@ -45,7 +45,7 @@ from pipeserve.config import (
 from pipeserve.config.fields import flag_help
 from pipeserve.config.flags import group
 from pipeserve.errors import ConfigError, ExitCode
-from pipeserve.router.http_guard import RouterServer, server_config
+from pipeserve.router.http.http_guard import RouterServer, server_config
 
 if TYPE_CHECKING:
     from pipeserve.local.redis_server import LocalRedis
@@ -221,8 +221,8 @@ async def _serve_groups(
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
-    from pipeserve.router.app import build_app
-    from pipeserve.router.replicas import ReplicaSet
+    from pipeserve.router.http.app import build_app
+    from pipeserve.router.upstream.replicas import ReplicaSet
 
     replica_set = ReplicaSet(router, {s.name: s.grpc_target for s in slots}, registry)
     app = build_app(router, replica_set, registry)
