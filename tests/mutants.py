@@ -536,6 +536,14 @@ MUTANTS = [
         "tests/test_import_graph.py -k 'cycle_between_modules'",
     ),
     (
+        "a router feature imports the upstream layer (an upward arrow in the router's way)",
+        "services/pipeserve/router/features/cost.py",
+        "from pipeserve.router import errors\nfrom pipeserve.sampling_params import SamplingParams",
+        "from pipeserve.router import errors\nfrom pipeserve.router.upstream import policy  # noqa: F401\n"
+        "from pipeserve.sampling_params import SamplingParams",
+        "tests/test_import_graph.py -k router_layers",
+    ),
+    (
         "multi-turn history drops the previous output",
         "services/pipeserve/bench/workloads.py",
         "            prompt += self.user[k] + outputs[k]",

@@ -21,6 +21,8 @@
   stage_flags.py's) — directly or through what it imports, lazily too.
 * The router needs only the tokenizer files, never the weights: it imports nothing that
   runs a model (engine, worker, model, ring, stage) — what `pipeserve router` on its own will rely on.
+* Inside the router a request's way points one way: errors <- features/ <- api/ <- upstream/ <- http/
+  (a module imports only its own layer and earlier ones).
 * The router's and the operator's images have no torch, safetensors or transformers: no module those
   processes load imports one of them at module level, directly or through the modules it imports at
   module level (function bodies and `if TYPE_CHECKING:` blocks do not run on import). The modules they
@@ -195,6 +197,38 @@ def test_router_runs_no_model() -> None:
         if t.split(".")[1] in ("engine", "worker", "model", "ring", "stage")
     }
     assert bad == set(), f"router/ imports {sorted(bad)}"
+
+
+# A request's way through the router, one direction (docs/architecture.md, "The router's way"): the
+# shared errors module, then features/ (structured, tools, ...), api/ (parse, format), upstream/
+# (fan-out, pick a group, stream) and http/ (the edge, the handlers that run the steps in order).
+ROUTER_LAYERS = ("errors", "features", "api", "upstream", "http")
+
+
+def router_upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for each router module importing a router module of a later layer (or outside all)."""
+
+    def layer(module: str) -> int:
+        part = module.split(".")[2] if module.count(".") >= 2 else ""
+        return ROUTER_LAYERS.index(part) if part in ROUTER_LAYERS else len(ROUTER_LAYERS)
+
+    return sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.startswith("pipeserve.router.")
+        for t in targets
+        if t.startswith("pipeserve.router.") and layer(t) > layer(m)
+    )
+
+
+def test_router_layers_point_one_way() -> None:
+    graph = import_graph()
+    router = [m for m in graph if m.startswith("pipeserve.router.")]
+    stray = [m for m in router if m.split(".")[2] not in ROUTER_LAYERS]
+    assert stray == [], f"every router module is in one of {ROUTER_LAYERS}: {stray}"
+    assert router_upward_imports(graph) == [], "a router layer imports a later one"
+    sample = {"pipeserve.router.api.protocol": {"pipeserve.router.http.edge", "pipeserve.router.errors"}}
+    assert router_upward_imports(sample) == ["pipeserve.router.api.protocol -> pipeserve.router.http.edge"]
 
 
 def reachable(graph: dict[str, set[str]], starts: set[str]) -> set[str]:
