@@ -1,4 +1,4 @@
-"""The operator's writes and reads of objects other than its own resource (kopf watches that one).
+"""The operator's writes of the objects it owns, and its few reads (kopf's watches feed the rest).
 
 The `kubernetes` client (synchronous) runs in `asyncio.to_thread`; every call carries a timeout
 (`REQUEST_TIMEOUT_S`, connect and read). Objects come back as plain dicts (`_preload_content=False`):
@@ -8,8 +8,9 @@ Owned objects are written whole (`replace_*`: a PUT preconditioned on the `metad
 the body names, so a field the operator no longer renders is gone and a concurrent write is a
 Conflict, not lost; see writes.py). A refusal other than 404 / 409 (a 4xx: invalid, forbidden, an
 admission webhook) raises `Rejected` with the server's own reason and message.
-List calls pass the label selector to the server and filter again here, so a server that ignores it
-(an emulator) cannot hand the operator another pipeline's pods.
+No list or get of an owned kind: the pipelines, their StatefulSets, pods, Services, NetworkPolicies,
+PDBs and PodGroups are read from kopf's watch-fed indexes (indexes.py); a write's answer is kept in
+`recent` until the watch delivers it (read your own writes). Reads left: a node (stuck pods), a lease.
 
 RBAC: `NEEDS` maps every method to the (apiGroup, resource, verb) it uses; the chart's operator rules
 are exactly their union plus what kopf itself does (`KOPF_NEEDS`) — tests/k8s/test_operator_rbac.py
@@ -24,32 +25,27 @@ from typing import Any
 
 import kubernetes
 
+from pipeserve_operator.indexes import KINDS, Recent
+
 REQUEST_TIMEOUT_S = (5.0, 15.0)
 MERGE = "application/merge-patch+json"
 
 
 # method → the rights it needs: (apiGroup, resource, verb).
 NEEDS: dict[str, tuple[str, str, str]] = {
-    "list_pods": ("", "pods", "list"),
     "delete_pod": ("", "pods", "delete"),
-    "list_statefulsets": ("apps", "statefulsets", "list"),
-    "get_statefulset": ("apps", "statefulsets", "get"),
     "create_statefulset": ("apps", "statefulsets", "create"),
     "patch_statefulset": ("apps", "statefulsets", "patch"),
     "replace_statefulset": ("apps", "statefulsets", "update"),
     "delete_statefulset": ("apps", "statefulsets", "delete"),
-    "get_service": ("", "services", "get"),
     "create_service": ("", "services", "create"),
     "replace_service": ("", "services", "update"),
     "delete_service": ("", "services", "delete"),
-    "get_network_policy": ("networking.k8s.io", "networkpolicies", "get"),
     "create_network_policy": ("networking.k8s.io", "networkpolicies", "create"),
     "replace_network_policy": ("networking.k8s.io", "networkpolicies", "update"),
     "delete_network_policy": ("networking.k8s.io", "networkpolicies", "delete"),
-    "get_pdb": ("policy", "poddisruptionbudgets", "get"),
     "create_pdb": ("policy", "poddisruptionbudgets", "create"),
     "replace_pdb": ("policy", "poddisruptionbudgets", "update"),
-    "list_pod_groups": ("scheduling.volcano.sh", "podgroups", "list"),
     "create_pod_group": ("scheduling.volcano.sh", "podgroups", "create"),
     "replace_pod_group": ("scheduling.volcano.sh", "podgroups", "update"),
     "delete_pod_group": ("scheduling.volcano.sh", "podgroups", "delete"),
@@ -61,12 +57,16 @@ NEEDS: dict[str, tuple[str, str, str]] = {
     "create_lease": ("coordination.k8s.io", "leases", "create"),
     "patch_lease": ("coordination.k8s.io", "leases", "patch"),
 }
-# kopf's own calls: the watch of the resource (the index) and the Events it posts for handler errors.
+# kopf's own calls: the watches that feed the indexes (the resource, and every kind a pipeline owns:
+# indexes.py) and the Events it posts for handler errors.
 KOPF_NEEDS = {
-    ("pipeserve.io", "inferencepipelines", "list"),
-    ("pipeserve.io", "inferencepipelines", "watch"),
-    ("", "events", "create"),
-}
+    (group, resource, verb)
+    for group, resource in (
+        ("pipeserve.io", "inferencepipelines"),
+        *((group, plural) for group, _, plural in KINDS.values()),
+    )
+    for verb in ("list", "watch")
+} | {("", "events", "create")}
 # Cluster-scoped: a ClusterRole even when the operator watches one namespace.
 CLUSTER_SCOPED = {"nodes"}
 VOLCANO = ("scheduling.volcano.sh", "v1beta1", "podgroups")
@@ -115,11 +115,6 @@ def api_client(host: str | None = None) -> kubernetes.client.ApiClient:
     return kubernetes.client.ApiClient()
 
 
-def _matches(obj: dict[str, Any], labels: dict[str, str]) -> bool:
-    have = obj.get("metadata", {}).get("labels") or {}
-    return all(have.get(k) == v for k, v in labels.items())
-
-
 class Kube:
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.core = kubernetes.client.CoreV1Api(client)
@@ -128,6 +123,7 @@ class Kube:
         self.networking = kubernetes.client.NetworkingV1Api(client)
         self.policy = kubernetes.client.PolicyV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.recent = Recent()  # this client's latest writes of owned kinds (indexes.py)
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         def call() -> dict[str, Any]:
@@ -160,11 +156,6 @@ class Kube:
             return False
         return True
 
-    async def list_pods(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        out = await self._call(self.core.list_namespaced_pod, ns, label_selector=selector)
-        return [p for p in out.get("items") or [] if _matches(p, labels)]
-
     async def delete_pod(self, ns: str, name: str, force_uid: str | None = None) -> bool:
         """False when it was already gone. `force_uid`: delete at once (grace 0), only if the pod is still
         that one (a precondition on its uid: a pod recreated under the same name is left alone)."""
@@ -186,80 +177,73 @@ class Kube:
     async def create_event(self, ns: str, body: dict[str, Any]) -> None:
         await self._call(self.core.create_namespaced_event, ns, body)
 
-    async def list_statefulsets(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        out = await self._call(self.apps.list_namespaced_stateful_set, ns, label_selector=selector)
-        return [s for s in out.get("items") or [] if _matches(s, labels)]
+    async def _write(self, kind: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A create / replace / patch of an owned kind; its answer stands in for the index's copy
+        until the watch delivers it (indexes.Recent)."""
+        out = await self._call(fn, *args, **kwargs)
+        self.recent.wrote(kind, out)
+        return out
 
-    async def get_statefulset(self, ns: str, name: str) -> dict[str, Any] | None:
-        return await self._read(self.apps.read_namespaced_stateful_set, name, ns)
+    async def _remove(self, kind: str, ns: str, name: str, fn: Any, *args: Any) -> None:
+        """Delete an owned object (already gone: fine); a tombstone stands in until the watch agrees."""
+        try:
+            await self._call(fn, *args)
+        except NotFound:
+            pass
+        self.recent.gone(kind, ns, name)
 
     async def create_statefulset(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.apps.create_namespaced_stateful_set, ns, body)
+        return await self._write("StatefulSet", self.apps.create_namespaced_stateful_set, ns, body)
 
     async def patch_statefulset(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.apps.patch_namespaced_stateful_set, name, ns, patch, _content_type=MERGE)
+        fn = self.apps.patch_namespaced_stateful_set
+        return await self._write("StatefulSet", fn, name, ns, patch, _content_type=MERGE)
 
     async def replace_statefulset(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.apps.replace_namespaced_stateful_set, name, ns, body)
+        return await self._write("StatefulSet", self.apps.replace_namespaced_stateful_set, name, ns, body)
 
     async def delete_statefulset(self, ns: str, name: str) -> None:
-        await self._delete(self.apps.delete_namespaced_stateful_set, name, ns)
-
-    async def get_service(self, ns: str, name: str) -> dict[str, Any] | None:
-        return await self._read(self.core.read_namespaced_service, name, ns)
+        await self._remove("StatefulSet", ns, name, self.apps.delete_namespaced_stateful_set, name, ns)
 
     async def create_service(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.create_namespaced_service, ns, body)
+        return await self._write("Service", self.core.create_namespaced_service, ns, body)
 
     async def replace_service(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.replace_namespaced_service, name, ns, body)
+        return await self._write("Service", self.core.replace_namespaced_service, name, ns, body)
 
     async def delete_service(self, ns: str, name: str) -> None:
-        await self._delete(self.core.delete_namespaced_service, name, ns)
-
-    async def get_network_policy(self, ns: str, name: str) -> dict[str, Any] | None:
-        return await self._read(self.networking.read_namespaced_network_policy, name, ns)
+        await self._remove("Service", ns, name, self.core.delete_namespaced_service, name, ns)
 
     async def create_network_policy(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.networking.create_namespaced_network_policy, ns, body)
+        return await self._write("NetworkPolicy", self.networking.create_namespaced_network_policy, ns, body)
 
     async def replace_network_policy(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.networking.replace_namespaced_network_policy, name, ns, body)
+        fn = self.networking.replace_namespaced_network_policy
+        return await self._write("NetworkPolicy", fn, name, ns, body)
 
     async def delete_network_policy(self, ns: str, name: str) -> None:
-        await self._delete(self.networking.delete_namespaced_network_policy, name, ns)
-
-    async def get_pdb(self, ns: str, name: str) -> dict[str, Any] | None:
-        return await self._read(self.policy.read_namespaced_pod_disruption_budget, name, ns)
+        fn = self.networking.delete_namespaced_network_policy
+        await self._remove("NetworkPolicy", ns, name, fn, name, ns)
 
     async def create_pdb(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.policy.create_namespaced_pod_disruption_budget, ns, body)
+        fn = self.policy.create_namespaced_pod_disruption_budget
+        return await self._write("PodDisruptionBudget", fn, ns, body)
 
     async def replace_pdb(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.policy.replace_namespaced_pod_disruption_budget, name, ns, body)
-
-    async def list_pod_groups(self, ns: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in labels.items())
-        out = await self._call(
-            self.custom.list_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], label_selector=selector
-        )
-        return [g for g in out.get("items") or [] if _matches(g, labels)]
+        fn = self.policy.replace_namespaced_pod_disruption_budget
+        return await self._write("PodDisruptionBudget", fn, name, ns, body)
 
     async def create_pod_group(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(
-            self.custom.create_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], body
-        )
+        fn = self.custom.create_namespaced_custom_object
+        return await self._write("PodGroup", fn, *VOLCANO[:2], ns, VOLCANO[2], body)
 
     async def replace_pod_group(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         fn = self.custom.replace_namespaced_custom_object
-        return await self._call(fn, *VOLCANO[:2], ns, VOLCANO[2], name, body)
+        return await self._write("PodGroup", fn, *VOLCANO[:2], ns, VOLCANO[2], name, body)
 
     async def delete_pod_group(self, ns: str, name: str) -> None:
-        try:
-            await self._call(self.custom.delete_namespaced_custom_object, *VOLCANO[:2], ns, VOLCANO[2], name)
-        except NotFound:
-            pass
+        fn = self.custom.delete_namespaced_custom_object
+        await self._remove("PodGroup", ns, name, fn, *VOLCANO[:2], ns, VOLCANO[2], name)
 
     async def patch_pipeline(self, ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         fn = self.custom.patch_namespaced_custom_object

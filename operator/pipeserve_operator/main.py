@@ -25,6 +25,7 @@ from aiohttp import web
 
 from pipeserve import env as pipeserve_env
 from pipeserve_operator import handlers  # noqa: F401  (registers the handlers)
+from pipeserve_operator.indexes import Owned, Wakeups
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.leader import LeaseElector
 
@@ -44,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--renew-seconds", type=float, default=5.0)
     p.add_argument("--drain-seconds", type=float, default=30.0, help="wait after a group leaves routing")
     p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=60.0,
+        help="reconcile every pipeline this often even without a watch event (a safety net: changes "
+        "to a pipeline or to what it owns are reconciled as their watch events arrive)",
+    )
+    p.add_argument(
         "--network-policies",
         action="store_true",
         help="a NetworkPolicy per group: ring traffic only from the group's own pods, gRPC only from routers",
@@ -62,7 +70,9 @@ def configure(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.WARNING  # Events: ours (restarts, failures), not every handler's success
 
 
-def make_memo(kube: Kube, drain_s: float, network_policies: bool = False) -> kopf.Memo:
+def make_memo(
+    kube: Kube, drain_s: float, network_policies: bool = False, resync_s: float = 60.0
+) -> kopf.Memo:
     return kopf.Memo(
         kube=kube,
         clock=time.time,
@@ -71,6 +81,9 @@ def make_memo(kube: Kube, drain_s: float, network_policies: bool = False) -> kop
         network_policies=network_policies,
         statuses={},
         refusals={},
+        owned=Owned(kube.recent),
+        wakes=Wakeups(),
+        resync_s=resync_s,
         loop=None,
     )
 
@@ -83,7 +96,7 @@ async def _run(args: argparse.Namespace) -> int:
         clusterwide=args.all_namespaces,
         namespaces=[args.namespace] if args.namespace else [],
         liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
-        memo=make_memo(kube, args.drain_seconds, args.network_policies),
+        memo=make_memo(kube, args.drain_seconds, args.network_policies, args.resync_seconds),
         stop_flag=stop,
     )
     if args.standalone:

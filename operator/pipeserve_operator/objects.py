@@ -1,4 +1,4 @@
-"""The objects a pipeline owns, ensured on every tick (not only when the spec changes).
+"""The objects a pipeline owns, ensured on every reconcile (not only when the spec changes).
 
     await ensure_group(writer, pipeline, index, generation, live_sts, network_policies)
     await ensure_pdb(writer, pipeline)          await ensure_pod_groups(writer, pipeline, indices)
@@ -27,7 +27,6 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from pipeserve_operator.crd import with_defaults
-from pipeserve_operator.kube import NotFound
 from pipeserve_operator.observe import HASH_ANNOTATION
 from pipeserve_operator.resources import (
     group_name,
@@ -96,10 +95,10 @@ async def ensure_group(
     `live`: its StatefulSet as listed this tick (None: none); `stopped`: the group waits out a backoff
     (created with no pods: the supervisor's START scales it up); `surge`: created as a rollout's surge
     group (the mark is kept on every later replace)."""
-    kube, ns, name = writer.kube, pipeline["metadata"]["namespace"], group_name(pipeline, index)
-    await writer.ensure(stage_service(pipeline, index), await kube.get_service(ns, name))
+    name = group_name(pipeline, index)
+    await writer.ensure(stage_service(pipeline, index), writer.view.get("Service", name))
     if network_policies:
-        policy = await kube.get_network_policy(ns, name)
+        policy = writer.view.get("NetworkPolicy", name)
         await writer.ensure(group_network_policy(pipeline, index), policy)
     desired = desired_statefulset(pipeline, index, generation)
     if live is None:
@@ -132,8 +131,7 @@ def disruption_budget(pipeline: dict) -> dict[str, Any]:
 
 async def ensure_pdb(writer: Writer, pipeline: dict) -> None:
     desired = disruption_budget(pipeline)
-    live = await writer.kube.get_pdb(desired["metadata"]["namespace"], desired["metadata"]["name"])
-    await writer.ensure(desired, live)
+    await writer.ensure(desired, writer.view.get("PodDisruptionBudget", desired["metadata"]["name"]))
 
 
 def _times(quantity: Any, n: int) -> str:
@@ -175,19 +173,13 @@ async def ensure_pod_groups(
     away) and none at all under another gang mode (a pipeline switched from volcano to none or kueue).
     `view(i)`: the pipeline as group i renders it (canary.py: a group below rollout.partition keeps the
     previous spec, its gang mode and size included). NotFound: the PodGroup API is not served (raised
-    only when PodGroups are wanted: without Volcano there is nothing to remove)."""
+    by the create, so only when PodGroups are wanted: without Volcano the index is empty)."""
     ns = pipeline["metadata"]["namespace"]
     views = {i: (view or (lambda _: pipeline))(i) for i in indices}
     wanted = {
         pod_group_name(pipeline, i): pod_group(v, i) for i, v in views.items() if gang(v["spec"]) == "volcano"
     }
-    try:
-        listed = await writer.kube.list_pod_groups(ns, pipeline_selector(pipeline))
-    except NotFound:
-        if wanted:
-            raise
-        return
-    live = {g["metadata"]["name"]: g for g in listed}
+    live = {g["metadata"]["name"]: g for g in writer.view.list("PodGroup")}
     for name, desired in wanted.items():
         await writer.ensure(desired, live.get(name))
     for name in sorted(set(live) - set(wanted)):

@@ -1,5 +1,7 @@
-"""One tick of one pipeline: ensure its objects, supervise its groups, scale down, free stuck pods,
-write its status. `handlers.py` calls `tick` every TICK_S for every pipeline kopf's index holds.
+"""One reconcile of one pipeline: ensure its objects, supervise its groups, scale down, free stuck
+pods, write its status. `handlers.py` calls `tick` when a watch event concerns the pipeline, every
+TICK_S while it has something in flight, and at every resync. Everything is read from kopf's
+watch-fed indexes (indexes.py): a reconcile that finds nothing to do makes no API request at all.
 
 Order within a tick (each step needs the previous one done):
 1. The finalizer an older operator version left (kopf's timer marker) is removed: nothing of this
@@ -15,7 +17,8 @@ Order within a tick (each step needs the previous one done):
    objects are deleted, highest index first, `drain_s` after that.
 5. A group pod Terminating 30 s past its grace period on a node that is NotReady, Unknown or gone is
    deleted with grace 0 (preconditioned on its uid), with an Event and `status.forcedDeletions`.
-6. Status, through the status subresource (this loop is its only writer). `observedGeneration` is the
+6. Status, through the status subresource (this loop is its only writer), only when it changed.
+   `observedGeneration` is the
    generation whose objects were all ensured in step 2 (none refused, none raced: a Conflict is
    retried on the next tick; an exception before skips the write);
    `Ready` is True only when that generation is observed and every group 0..replicas-1 is Ready on the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from typing import Any
 
 import msgspec
@@ -194,11 +198,9 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
         except SpecError as e:
             problem = f"the previous spec, kept below rollout.partition: {e}"
     entries = _entries(status)
-    pods = await kube.list_pods(ns, pipeline_selector(pipeline))
-    sets = {
-        int(s["metadata"]["labels"][GROUP_LABEL]): s
-        for s in await kube.list_statefulsets(ns, pipeline_selector(pipeline))
-    }
+    view = memo.owned.of(pipeline)  # kopf's watch-fed indexes (indexes.py): no API reads
+    pods = view.list("Pod")
+    sets = {int(s["metadata"]["labels"][GROUP_LABEL]): s for s in view.list("StatefulSet")}
     records = {
         i: groups.load_record(entries.get(i), revs.digest(i)) for i in set(sets) | set(range(replicas))
     }
@@ -238,7 +240,9 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
     await _supervise(memo, pipeline, typed, full, wanted, records, observed, by_group, entries, seen, problem)
     await _scale_down(memo, pipeline, extra, entries, wanted)
     forced = await free_stuck_pods(kube, pipeline, pods, now, memo.setdefault("held_pods", set()))
-    new = _status(pipeline, full, status, seen, problem, forced, now)
+    new = json.loads(json.dumps(_status(pipeline, full, status, seen, problem, forced, now)))
+    if new == status and new == (pipeline.get("status") or {}):
+        return None  # nothing changed: no write (its watch event would only wake this pipeline again)
     await kube.patch_pipeline_status(ns, name, {"status": new})
     return new
 

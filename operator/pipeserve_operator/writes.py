@@ -1,6 +1,7 @@
 """Writing the objects a pipeline owns: whole, and a refused write made visible.
 
     writer = Writer(memo, pipeline, now)
+    live = writer.view.get("Service", name)         # kopf's watch-fed copy (indexes.py)
     present = await writer.ensure(desired, live)   # create, or replace when drifted
     writer.refused, writer.conflicts                # this tick's refusals (status, Events), races
 
@@ -132,6 +133,7 @@ class Writer:
     def __init__(self, memo: Any, pipeline: dict[str, Any], now: float) -> None:
         self.kube: Kube = memo.kube
         self.pipeline, self.now = pipeline, now
+        self.view = memo.owned.of(pipeline)  # the pipeline's live objects (indexes.py: no API reads)
         uid = pipeline["metadata"].get("uid")
         self.held: dict[tuple[str, str], Refusal] = memo.refusals.setdefault(uid, {})
         self.refused: list[Refusal] = []

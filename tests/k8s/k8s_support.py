@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import copy
 import time
+import uuid
 from typing import Any
 
 import kmock
@@ -68,7 +69,9 @@ def declare_resources(k: kmock.KubernetesEmulator) -> None:
         (PODGROUPS, "PodGroup"),
     )
     for res, kind in kinds:
-        k.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs={"list", "get", "create"})
+        k.resources[res] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"list", "watch", "get", "create"}
+        )
     k.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "get"})
     k.resources["coordination.k8s.io/v1/leases"] = kmock.ResourceInfo(kind="Lease", namespaced=True)
     # kopf's backbone waits for these two to be discoverable (it does not list them: scanning is off).
@@ -109,6 +112,7 @@ def pod_from(sts: dict[str, Any], rank: int, ready: bool = True) -> dict[str, An
         "metadata": {
             "name": f"{sts['metadata']['name']}-{rank}",
             "namespace": NS,
+            "uid": str(uuid.uuid4()),  # as the API server gives every object (kopf keys objects by it)
             "labels": labels,
             "annotations": dict(template["metadata"].get("annotations") or {}),
         },

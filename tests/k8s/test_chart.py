@@ -284,18 +284,20 @@ def test_every_pod_is_locked_down(tools: Tools, case: str) -> None:
             )
 
 
-# What the operator calls (operator/pipeserve_operator/kube.py, kopf's watch, finalizer and status patches,
-# its Events) and what the router's discovery calls (list + watch of one InferencePipeline).
+# What the operator calls (operator/pipeserve_operator/kube.py, kopf's watches of the pipelines and of
+# every kind they own, finalizer and status patches, its Events) and what the router's discovery calls
+# (list + watch of one InferencePipeline).
 OPERATOR_RULES = {
     ("pipeserve.io", "inferencepipelines"): ["list", "watch", "patch"],
     ("pipeserve.io", "inferencepipelines/status"): ["patch"],
-    ("apps", "statefulsets"): ["get", "list", "create", "update", "patch", "delete"],
-    ("", "services"): ["get", "create", "update", "delete"],
-    ("", "pods"): ["list", "delete"],
-    ("policy", "poddisruptionbudgets"): ["get", "create", "update"],
-    ("scheduling.volcano.sh", "podgroups"): ["list", "create", "update", "delete"],
+    ("apps", "statefulsets"): ["list", "watch", "create", "update", "patch", "delete"],
+    ("", "services"): ["list", "watch", "create", "update", "delete"],
+    ("", "pods"): ["list", "watch", "delete"],
+    ("policy", "poddisruptionbudgets"): ["list", "watch", "create", "update"],
+    ("scheduling.volcano.sh", "podgroups"): ["list", "watch", "create", "update", "delete"],
     ("", "events"): ["create"],
-    ("networking.k8s.io", "networkpolicies"): ["get", "create", "update", "delete"],  # networkPolicy.enabled
+    # watched always; written with networkPolicy.enabled
+    ("networking.k8s.io", "networkpolicies"): ["list", "watch", "create", "update", "delete"],
     ("coordination.k8s.io", "leases"): ["get", "create", "patch"],
 }
 ROUTER_RULES = {
@@ -370,7 +372,8 @@ def test_network_policies(tools: Tools) -> None:
     role = next(
         o for o in off if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "rel-pipeserve-operator"
     )
-    assert ("networking.k8s.io", "networkpolicies") not in _rules(role)
+    # Still watched (the operator's index of the kind), never written.
+    assert _rules(role)[("networking.k8s.io", "networkpolicies")] == ["list", "watch"]
 
 
 def test_internal_redis_requires_the_secrets_password(tools: Tools) -> None:

@@ -1,0 +1,143 @@
+"""The operator watches instead of polling (issue 31, point 3), against kmock in loop time.
+
+* A Service deleted, a NetworkPolicy or a PodDisruptionBudget edited by hand: put back from the watch
+  event, within a second, with the resync far away (600 s) and the pipeline settled (Ready: no timer
+  re-checks it).
+* Steady state: over several resyncs the operator makes no request per pipeline (everything is read
+  from kopf's watch-fed indexes, and an unchanged status is not written): 1 and 4 pipelines cost the
+  same, at most one request per pipeline per resync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+from k8s_support import (
+    CR,
+    NETPOL,
+    NS,
+    PDB,
+    SVC,
+    SimulatedStatefulSetController,
+    declare_resources,
+    eventually,
+    live,
+    pipeline,
+    running,
+)
+
+from pipeserve_operator.kube import Kube, api_client
+from pipeserve_operator.main import make_memo
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
+
+
+def _ready(k: kmock.KubernetesEmulator, name: str) -> bool:
+    conditions = (k.objects[CR, NS, name].raw.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+@contextlib.asynccontextmanager
+async def settled(k: kmock.KubernetesEmulator, names: list[str], resync_s: float, replicas: int = 2):
+    """The operator (real handlers, --network-policies) over pipelines `names`, each Ready."""
+    declare_resources(k)
+    for i, name in enumerate(names):
+        body = pipeline(replicas=replicas, stages=1)
+        body["metadata"].update(name=name, uid=f"uid-{i}")
+        k.objects[CR, NS, name] = body
+    url = str(k.url)
+
+    @kopf.on.login()
+    def login(**_: object) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=url, insecure=True)
+
+    memo = make_memo(Kube(api_client(url)), drain_s=5.0, network_policies=True, resync_s=resync_s)
+    memo.clock = asyncio.get_running_loop().time
+    stop = asyncio.Event()
+    task = asyncio.create_task(kopf.operator(standalone=True, namespaces=[NS], memo=memo, stop_flag=stop))
+    controller = SimulatedStatefulSetController(k, period_s=0.2)
+    try:
+        async with running(controller.run()):
+            await eventually(lambda: all(_ready(k, n) for n in names), timeout=120)
+            await asyncio.sleep(1)  # the last writes' watch events go by
+            yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def _since(k: kmock.KubernetesEmulator, start: int) -> collections.Counter[str]:
+    """The requests since `start`, by verb (a watch is a GET with ?watch: one long-lived stream)."""
+    out: collections.Counter[str] = collections.Counter()
+    for r in list(k._requests)[start:]:
+        method = str(r.method.value).upper()
+        if method == "GET":
+            out["watch" if r.params.get("watch") else "get" if r.name else "list"] += 1
+        else:
+            out[method.lower()] += 1
+    return out
+
+
+async def _recreated(check: Any) -> float:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await eventually(check, timeout=1.0, step=0.05)
+    return loop.time() - start
+
+
+async def test_a_deleted_service_comes_back_from_its_watch_event(kmock: kmock.KubernetesEmulator) -> None:
+    async with settled(kmock, ["p"], resync_s=600):
+        uid = live(kmock, SVC)["p-g1"]["metadata"]["uid"]
+        kmock.objects[SVC, NS, "p-g1"].delete()  # the API server's watch sends DELETED
+        await asyncio.sleep(0)
+        assert "p-g1" not in live(kmock, SVC)
+        assert await _recreated(lambda: "p-g1" in live(kmock, SVC)) < 1.0
+        assert live(kmock, SVC)["p-g1"]["metadata"]["uid"] != uid  # created again, not a stale copy
+
+
+async def test_hand_edits_of_a_network_policy_and_a_pdb_are_reverted(kmock: kmock.KubernetesEmulator) -> None:
+    async with settled(kmock, ["p"], resync_s=600):
+        rendered = live(kmock, NETPOL)["p-g0"]["spec"]
+        kmock.objects[NETPOL, NS, "p-g0"].patch({"spec": {"ingress": [{}]}})  # allow everything
+        await asyncio.sleep(0)
+        assert live(kmock, NETPOL)["p-g0"]["spec"]["ingress"] == [{}]
+        assert await _recreated(lambda: live(kmock, NETPOL)["p-g0"]["spec"] == rendered) < 1.0
+
+        kmock.objects[PDB, NS, "p"].patch({"spec": {"maxUnavailable": 2}})
+        await asyncio.sleep(0)
+        assert await _recreated(lambda: live(kmock, PDB)["p"]["spec"]["maxUnavailable"] == 1) < 1.0
+        assert _ready(kmock, "p")
+
+
+async def _steady(
+    k: kmock.KubernetesEmulator, pipelines: int, resyncs: int, resync_s: float
+) -> dict[str, int]:
+    async with settled(k, [f"p{i}" for i in range(pipelines)], resync_s=resync_s):
+        start = len(k._requests)
+        await asyncio.sleep(resyncs * resync_s + 1)
+        return dict(_since(k, start))
+
+
+async def test_steady_state_requests_do_not_grow_with_pipelines(kmock: kmock.KubernetesEmulator) -> None:
+    resyncs, resync_s = 3, 10.0
+    one = await _steady(kmock, 1, resyncs, resync_s)
+    assert sum(one.values()) <= resyncs, one
+    async with kmock_server() as other:
+        four = await _steady(other, 4, resyncs, resync_s)
+    assert sum(four.values()) <= sum(one.values()), (one, four)  # not per pipeline: none at all
+    assert sum(four.values()) <= 4 * resyncs, four
+
+
+@contextlib.asynccontextmanager
+async def kmock_server():
+    """A second emulator in the same test (the fixture gives one): same class, its own port."""
+    from kmock_support import ApiServer
+
+    async with ApiServer() as k, kmock.Server(k):
+        yield k
