@@ -17,7 +17,7 @@ Layouts (N = output features, K = input features, G = group, K % G == 0, K even)
     qweight  int8 [N, K]      q in -127..127
     scales   [N]              per output channel: w[n, k] = q[n, k] * scales[n]
     (the scale is applied to the float32 accumulator, once per output)
-  q8_blocks_linear(x, qweight, scales, mins)   GGUF's 8-bit block forms (quant.Q8Linear: Q8_0, and
+  q8_blocks_linear(x, qweight, scales, mins)   GGUF's 8-bit block forms (quant_q8.Q8Linear: Q8_0, and
                               Q5_0, Q5_1, Q5_K, Q6_K as model/gguf_types.py stores them)
     qweight  int8 [N, K]
     scales   [N, K/S]         S = 32, or 16 (Q6_K): w[n, k] = q[n, k] * scales[n, k // S]

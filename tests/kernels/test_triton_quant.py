@@ -36,11 +36,11 @@ from pipeserve.model.quant import (
     NIBBLE_LAYOUT,
     Int4Linear,
     Int8Linear,
-    Q8Linear,
     pack_nibbles,
     quantize_int4,
     unpack_nibbles,
 )
+from pipeserve.model.quant_q8 import Q8Linear
 from pipeserve_kernels.triton_quant import BLOCK_K, int4_linear, int8_linear, q8_blocks_linear
 
 RUN = Path(__file__).with_name("engine_run.py")

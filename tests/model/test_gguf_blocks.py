@@ -29,7 +29,8 @@ from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.model.gguf_blocks import BLOCKS_FILE, GgufBlocks, Q8Embedding
 from pipeserve.model.layers import Linear
 from pipeserve.model.loader import load_stage_model
-from pipeserve.model.quant import Int4Linear, Int8Linear, Q8Linear, q8_native
+from pipeserve.model.quant import Int4Linear, Int8Linear
+from pipeserve.model.quant_q8 import Q8Linear, q8_native
 from pipeserve.model.stage_model import StageSpec
 
 

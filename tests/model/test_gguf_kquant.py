@@ -31,7 +31,8 @@ from pipeserve.model.gguf import convert_gguf
 from pipeserve.model.gguf_blocks import BLOCKS_FILE, GgufBlocks, Int4Embedding, Q8Embedding
 from pipeserve.model.layers import Linear
 from pipeserve.model.loader import load_stage_model
-from pipeserve.model.quant import ConcatLinear, Int4Linear, Q8Linear, native_kernels
+from pipeserve.model.quant import Int4Linear, native_kernels
+from pipeserve.model.quant_q8 import ConcatLinear, Q8Linear
 from pipeserve.model.stage_model import StageSpec
 
 SPEC = {"layers": 2, "hidden": 256, "intermediate": 512, "heads": 4, "kv_heads": 2, "vocab": 512}

@@ -41,7 +41,8 @@ from pipeserve.model.gguf_types import (
     pack_q6k_scales,
     read_blocks,
 )
-from pipeserve.model.quant import Int4Linear, Q8Linear, native_kernels
+from pipeserve.model.quant import Int4Linear, native_kernels
+from pipeserve.model.quant_q8 import Q8Linear
 from pipeserve_kernels import native
 
 N, K = 24, 512
@@ -191,7 +192,7 @@ def test_without_native_kernels_the_8_bit_forms_dequantize_per_call(
     module._kernels = None  # as built where the native kernels are off (PIPESERVE_KERNELS=torch)
     quant._fallback_once.cache_clear()
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="pipeserve.model.quant"):
+    with caplog.at_level(logging.WARNING, logger="pipeserve.model.quant_q8"):
         assert torch.equal(module(x), F.linear(x, module.dequantized()))
         module(x)
     assert len([r for r in caplog.records if "dequantizes" in r.getMessage()]) == 1

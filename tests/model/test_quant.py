@@ -18,7 +18,8 @@ from pipeserve.errors import ConfigError
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.layers import Linear
 from pipeserve.model.loader import load_stage_model, model_fingerprint
-from pipeserve.model.quant import Int4Linear, Int8Linear, dequantize_int4, q8_native, quantize_int4
+from pipeserve.model.quant import Int4Linear, Int8Linear, dequantize_int4, quantize_int4
+from pipeserve.model.quant_q8 import q8_native
 from pipeserve.model.stage_model import StageSpec
 
 REL_TOL = 3e-2

@@ -12,7 +12,7 @@ so the weights computed with are the file's own blocks, not a requantization:
 * form q8 (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K): a `Q8Linear` (int8 values, float32 scales per 32, or
   Q6_K's own 6-bit packing with its d per 256 and int8 sub-scales; float32 mins), exact, on the native
   CPU kernels; elsewhere Q8_0 is requantized per output channel
-  for `Int8Linear` (torch's int8 kernel) and the others dequantize per call (quant.Q8Linear). An
+  for `Int8Linear` (torch's int8 kernel) and the others dequantize per call (quant_q8.Q8Linear). An
   embedding gathers its rows exactly (`Q8Embedding`).
 * A fused projection whose parts differ in form (a Q4_K_M file's v in Q6_K beside q and k in Q4_K)
   is a `ConcatLinear` of the parts' forms.
@@ -209,7 +209,8 @@ def _q8_linear(
     blocks: GgufBlocks, name: str, q8: tuple, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
     """The served form of one tensor's (or stacked tensors') 8-bit blocks `q8` = (q, d, m)."""
-    from pipeserve.model.quant import Int8Linear, Q8Linear, q8_native, quantize_int8
+    from pipeserve.model.quant import Int8Linear, quantize_int8
+    from pipeserve.model.quant_q8 import Q8Linear, q8_native
 
     q, d, m = q8
     if q8_native(device):  # the blocks themselves, exact
@@ -232,7 +233,8 @@ def _quantized_linear(
     """The served form of `names`' blocks stacked by rows (a fused projection): one module where
     every part has the same form (8-bit ones also the same scale block and mins or none), else a
     ConcatLinear of each part's."""
-    from pipeserve.model.quant import ConcatLinear, Int4Linear
+    from pipeserve.model.quant import Int4Linear
+    from pipeserve.model.quant_q8 import ConcatLinear
 
     kinds = {blocks.kind(n) for n in names}
     if kinds == {"q4"}:
@@ -252,7 +254,8 @@ def _quantized_linear(
 def _embedding(blocks: GgufBlocks, name: str, dtype: torch.dtype, head: nn.Module | None) -> nn.Module:
     """The embedding served from `name`'s blocks; `head`: a tied head's served module, whose tensors
     it shares where they are in a form it gathers from (one copy of the vocabulary matrix)."""
-    from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, Q8Linear
+    from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear
+    from pipeserve.model.quant_q8 import Q8Linear
 
     if blocks.kind(name) == "q8":
         if isinstance(head, Q8Linear):

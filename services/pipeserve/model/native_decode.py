@@ -24,7 +24,8 @@ import ctypes
 import torch
 
 from pipeserve.model.layers import AttentionBatch, DecoderLayer, Linear
-from pipeserve.model.quant import NIBBLE_LAYOUT, ConcatLinear, Int4Linear, Q8Linear, native_kernels
+from pipeserve.model.quant import NIBBLE_LAYOUT, Int4Linear, native_kernels
+from pipeserve.model.quant_q8 import ConcatLinear, Q8Linear
 from pipeserve_kernels.cpu_linear import native_f32_rows, native_weight
 from pipeserve_kernels.native import KV_DTYPES, Q4, W_CAT, W_F32, W_Q4, W_Q8, Dims, Layer
 
