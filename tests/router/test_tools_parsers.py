@@ -1,4 +1,4 @@
-"""The tool-call parsers (router/tool_parsers): results, and the same result however the text is split.
+"""The tool-call parsers (router/features/tool_parsers): results, and the same result whatever the split.
 
 Every case is checked three ways: one push, every two-piece split, one character per push; the
 merged events must be equal. Where text may still begin a call, it is never released as content.

@@ -14,7 +14,7 @@ from pipeserve.config.fields import REQUIRED, check_ranges, checker, opt
 from pipeserve.sampling_fields import SAMPLING_FIELDS
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity")
-# --tool-call-parser's names (vLLM's); router/tool_parsers' registry holds the same (a test checks)
+# --tool-call-parser's names (vLLM's); router/features/tool_parsers' registry holds the same (a test checks)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 # --reasoning-parser's names (vLLM's); router/features/reasoning.py's registry holds the same (a test checks)
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
