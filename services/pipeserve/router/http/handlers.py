@@ -279,9 +279,8 @@ class Router:
             self._family(i, ids, p, n, best_of, fmt.id, arrival, decode)
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        for i, family in enumerate(
-            families
-        ):  # echo (router/features/echo.py): the prompt side of each choice
+        # echo (router/features/echo.py): the prompt side of each choice
+        for i, family in enumerate(families):
             for c in family:
                 c.result.prompt_text = echoed[i] if echoed is not None else ""
                 c.drop_output = drop_output
