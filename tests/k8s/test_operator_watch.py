@@ -118,9 +118,13 @@ async def test_hand_edits_of_a_network_policy_and_a_pdb_are_reverted(kmock: kmoc
 async def _steady(
     k: kmock.KubernetesEmulator, pipelines: int, resyncs: int, resync_s: float
 ) -> dict[str, int]:
+    """The requests over `resyncs` resyncs; it stops early past the goal (pipelines x resyncs): a
+    write storm keeps the loop busy, and loop time would then crawl."""
     async with settled(k, [f"p{i}" for i in range(pipelines)], resync_s=resync_s):
-        start = len(k._requests)
-        await asyncio.sleep(resyncs * resync_s + 1)
+        loop = asyncio.get_running_loop()
+        start, end = len(k._requests), loop.time() + resyncs * resync_s + 1
+        while loop.time() < end and sum(_since(k, start).values()) <= pipelines * resyncs:
+            await asyncio.sleep(0.5)
         return dict(_since(k, start))
 
 
