@@ -85,7 +85,7 @@ MUTANTS = [
     ),
     (
         "stop check ignores eos",
-        "services/pipeserve/engine/scheduler.py",
+        "services/pipeserve/engine/results.py",
         "not p.ignore_eos and token in self.eos_token_ids",
         "False",
         "tests/engine/test_engine_correctness.py -k eos",
@@ -298,7 +298,7 @@ MUTANTS = [
     ),
     (
         "stage 0 ignores the failures stages report",
-        "services/pipeserve/engine/scheduler.py",
+        "services/pipeserve/engine/results.py",
         "        failed = {f.req_id: f.reason for r in output.reports for f in r.failed}",
         "        failed = {}",
         "tests/stage/test_failure_isolation.py -k 'request_failure and 1'",
@@ -1205,7 +1205,7 @@ MUTANTS = [
     ),
     (
         "structured outputs: ignore_eos runs past an ended grammar",
-        "services/pipeserve/engine/scheduler.py",
+        "services/pipeserve/engine/results.py",
         "            reason = FinishReason.STOP if tok.grammar_end else self._stop_reason(req, tok.token_id)",
         "            reason = self._stop_reason(req, tok.token_id)",
         "tests/engine/test_structured.py::test_ended_grammar_finishes_even_with_ignore_eos",
@@ -1485,6 +1485,20 @@ MUTANTS = [
         '`sampling_spec`)."""\n',
         '`sampling_spec`)."""\n\n    repetition_penalty: float = 1.0\n',
         "tests/test_sampling_fields.py -k declared_once",
+    ),
+    (
+        "SamplingSpec built without each field's exact type (an int temperature hashes apart)",
+        "services/pipeserve/engine/request.py",
+        "    return exact(value)\n",
+        "    return value\n",
+        "tests/test_sampling_fields.py -k built_by_name",
+    ),
+    (
+        "an unset optional wire field reads as proto3's zero, not the list's default",
+        "services/pipeserve/rpc/convert.py",
+        "            values[name] = _DEFAULTS[name]",
+        "            values[name] = getattr(msg, name)",
+        "tests/test_sampling_fields.py -k unset_wire_field",
     ),
     (
         "the wire's repetition_penalty unset reads as proto3's 0, not the list's 1 (issue 30)",

@@ -27,7 +27,8 @@ from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import StageReport, StepPlan
 from pipeserve.engine.prefix_loads import L3Directory
 from pipeserve.engine.request import FinishReason, Request
-from pipeserve.engine.scheduler import ResultMismatch, Scheduler
+from pipeserve.engine.results import ResultMismatch
+from pipeserve.engine.scheduler import Scheduler
 from pipeserve.errors import Diverged, GroupStopped, InvalidRequestError
 from pipeserve.model.config import ModelConfig
 from pipeserve.sampling_params import SamplingParams, check_prompt

@@ -31,20 +31,20 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
-from pipeserve.engine.fairness import StepPace, fair_order, family, plan_cost, share_decodes, water_fill
+from pipeserve.engine.fairness import StepPace, fair_order, family, share_decodes, water_fill
 from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import (
     BlockCopy,
     LoadOrder,
     NewRequest,
     ScheduledChunk,
-    StepOutput,
     StepPlan,
     needs_history,
     seal,
 )
 from pipeserve.engine.prefix_loads import L3Directory, PrefixFetch
 from pipeserve.engine.request import Fetch, FinishReason, Request, RequestStatus, sampling_spec
+from pipeserve.engine.results import StepResults
 
 POLL_S = 0.005  # while L3 loads await answers and nothing else moves, one poll plan per this (a faster
 # poll takes the GIL from the stage's own loader thread: a 2k-token load took twice as long at 1 ms)
@@ -52,11 +52,7 @@ PROBE_WAIT_S = 0.005  # longest wait for the L3 probes of newly seen requests be
 STORE_WAIT_S = 0.01  # longest idle wait for the L3 write pacing (new requests are looked at after it)
 
 
-class ResultMismatch(RuntimeError):
-    """A step's result contradicts its plan: a protocol failure (the group stops)."""
-
-
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -243,28 +239,37 @@ class Scheduler:
             need = self.bm.blocks_needed(start + n) - len(hits)
             if not self.bm.can_allocate(need, hits):
                 return budget
-            self.waiting.remove(req)
             seats[family(req.req_id)] += 1
-            self.bm.take_cached(hits)
-            new = self.bm.allocate(need)
-            self.fetch.load_from_host(tokens, len(hits), new, l2, l2_loads)
-            req.block_ids = hits + new
-            self.bm.record_query(len(tokens), start)
-            tiers = [req.fetched.get(j, "l1") for j in range(len(hits))] + ["l2"] * len(l2)
-            req.cached_by_tier = {t: tiers.count(t) * bs for t in ("l1", "l2", "l3")}
-            self.fetch.stats.hit_tokens.update(req.cached_by_tier)
-            req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            spec = sampling_spec(req, self.eos_token_ids)
-            # A constrained request's matcher is rebuilt from its outputs (engine/grammar.py).
-            replay = list(req.output_token_ids) if req.params.structured_kind else []
-            history = tokens[:start] if needs_history(spec) else []
-            new_reqs.append(NewRequest(req.req_id, spec, replay, history))
-            req.in_executors = True
+            new_reqs.append(self._admit(req, hits, l2, need, l2_loads))
             chunks.append(chunk := self._chunk(req, n, list(req.block_ids)))
             budget -= len(chunk.token_ids) + chunk.score_rows
         return budget
+
+    def _admit(
+        self, req: Request, hits: list[int], l2: list[tuple[int, int]], need: int, l2_loads: list[BlockCopy]
+    ) -> NewRequest:
+        """Move `req` from waiting to running after its prefix (`hits` in L1, `l2` copied from L2
+        into `need` new blocks): its tables and what the executors learn of it."""
+        bs, tokens = self.bm.block_size, req.all_token_ids
+        start = (len(hits) + len(l2)) * bs
+        self.waiting.remove(req)
+        self.bm.take_cached(hits)
+        new = self.bm.allocate(need)
+        self.fetch.load_from_host(tokens, len(hits), new, l2, l2_loads)
+        req.block_ids = hits + new
+        self.bm.record_query(len(tokens), start)
+        tiers = [req.fetched.get(j, "l1") for j in range(len(hits))] + ["l2"] * len(l2)
+        req.cached_by_tier = {t: tiers.count(t) * bs for t in ("l1", "l2", "l3")}
+        self.fetch.stats.hit_tokens.update(req.cached_by_tier)
+        req.num_computed = req.num_scheduled = req.num_cached_prompt_tokens = start
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        req.in_executors = True
+        spec = sampling_spec(req, self.eos_token_ids)
+        # A constrained request's matcher is rebuilt from its outputs (engine/grammar.py).
+        replay = list(req.output_token_ids) if req.params.structured_kind else []
+        history = tokens[:start] if needs_history(spec) else []
+        return NewRequest(req.req_id, spec, replay, history)
 
     def _rebalance_seats(self) -> None:
         """When every seat (max_num_seqs) is held, free one for each waiting request whose family
@@ -356,106 +361,6 @@ class Scheduler:
         self.num_preemptions += 1
         self._drop_from_executors(req)
         self.waiting.appendleft(req)
-
-    # --- update -------------------------------------------------------------
-    def update(self, plan: StepPlan, output: StepOutput) -> list[Request]:
-        """Apply a plan's results. Requests that failed on any stage (their reports'
-        `failed`) finish with FinishReason.ERROR; a result that contradicts the plan
-        (another step, a missing token) raises ResultMismatch: the group's failure."""
-        if output.step_id != plan.step_id:
-            raise ResultMismatch(f"output of step {output.step_id} applied to plan {plan.step_id}")
-        sampled = {s.req_id: s for s in output.sampled}
-        scores = {s.req_id: s for s in output.prompt_scores}
-        failed = {f.req_id: f.reason for r in output.reports for f in r.failed}
-        finished: list[Request] = []
-        self._inflight_tokens -= plan.num_tokens
-        self._polls -= plan.poll
-        self.pace.observe(plan_cost(plan), output.reports)
-        self.fetch.note_lost(sum(r.l3_lost for r in output.reports))
-        for report in output.reports:
-            for ack in report.loads:
-                try:
-                    self.fetch.on_ack(report.rank, ack)
-                except ValueError as e:
-                    raise ResultMismatch(f"step {plan.step_id}: {e}") from None
-        for chunk in plan.chunks:
-            req = self.requests.get(chunk.req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_inflight -= 1
-            if (reason := failed.get(req.req_id)) is not None:
-                req.error = reason
-                self._finish(req, FinishReason.ERROR)
-                finished.append(req)
-                continue
-            req.num_computed += len(chunk.token_ids)
-            if chunk.score_rows:
-                try:
-                    prompt_logprobs.keep(req.prompt_scores, chunk, scores.get(req.req_id))
-                except ValueError as e:
-                    raise ResultMismatch(f"step {plan.step_id}: {e}") from None
-            self._commit(req)
-            if chunk.sample_index < 0:
-                continue
-            tok = sampled.get(req.req_id)
-            if tok is None:
-                raise ResultMismatch(f"step {plan.step_id}: no sampled token for {req.req_id}")
-            req.output_token_ids.append(tok.token_id)
-            if req.params.logprobs is not None:
-                req.output_logprobs.append((tok.logprob, tok.top_logprobs))
-            # The grammar ended: stop, whatever ignore_eos says (engine/grammar.py).
-            reason = FinishReason.STOP if tok.grammar_end else self._stop_reason(req, tok.token_id)
-            if reason is not None:
-                self._finish(req, reason)
-                finished.append(req)
-        return finished
-
-    def _commit(self, req: Request) -> None:
-        """Name req's new full blocks in the prefix cache and let the L3 write policy see them: a
-        block the request got from a cache tier (its admission's hit) or shares with another
-        running request is already shared."""
-        committed = self.bm.commit_full_blocks(req)
-        if self.fetch.writes is None or not committed:
-            return
-        hit = req.num_cached_prompt_tokens // self.bm.block_size
-        for i, bid, h in committed:
-            if i >= req.l3_sighted_blocks:
-                self.fetch.writes.committed(bid, h, i < hit or self.bm.blocks[bid].ref_count > 1)
-        req.l3_sighted_blocks = max(req.l3_sighted_blocks, committed[-1][0] + 1)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return FinishReason.STOP
-        # max_tokens is resolved before a request enters (LLMEngine.validate refuses None).
-        out_of_room = req.num_tokens >= self.max_model_len
-        if out_of_room or (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens):
-            return FinishReason.LENGTH
-        return None
-
-    def finish(self, req_id: str, reason: FinishReason) -> Request | None:
-        """End a request decided outside the token loop (e.g. a stop string)."""
-        req = self.requests.get(req_id)
-        if req is None or req.is_finished:
-            return None
-        if req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        self._finish(req, reason)
-        return req
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        self.bm.release(req)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self._drop_from_executors(req)
-        del self.requests[req.req_id]
-
-    def _drop_from_executors(self, req: Request) -> None:
-        if req.in_executors:
-            self._freed.append(req.req_id)
-            req.in_executors = False
 
 
 def _tokens_for(req: Request, wants: int, allowance: int) -> int:
