@@ -2655,6 +2655,20 @@ MUTANTS = [
         "        p = vals.softmax(dim=-1)",
         "tests/engine/test_sampling.py -k candidate",
     ),
+    (
+        "operator: an owned object's watch event wakes no reconcile (a deleted Service waits) (issue 31)",
+        "operator/pipeserve_operator/indexes.py",
+        "        memo.wakes.wake((namespace, labels[PIPELINE_LABEL]))\n",
+        "        pass\n",
+        "tests/k8s/test_operator_watch.py -k 'deleted_service or hand_edits'",
+    ),
+    (
+        "operator: an unchanged status written on every reconcile (API load grows with pipelines) (issue 31)",
+        "operator/pipeserve_operator/supervise.py",
+        '    if new == status and new == (pipeline.get("status") or {}):\n',
+        "    if False:\n",
+        "tests/k8s/test_operator_watch.py -k steady_state",
+    ),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
