@@ -208,37 +208,47 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=kind, default=f.flag_default, help=text, action=_Given)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pipeserve.bench.serving import add_bench_parser
-    from pipeserve.router.http.standalone import add_router_parser
-    from pipeserve.supervisor.up import add_up_parser
+# demo-model's sizes: each a DemoSpec field, its default the field's
+_DEMO_SIZES = {
+    "layers": "decoder layers",
+    "hidden": "hidden size",
+    "heads": "attention heads",
+    "kv_heads": "key/value heads (grouped-query attention when fewer than heads)",
+    "vocab": "vocabulary size (the tokenizer is trained to it)",
+    "max_position_embeddings": "the context the config declares",
+    "seed": "the weights' random seed",
+}
 
-    parser = argparse.ArgumentParser(prog="pipeserve")
-    sub = parser.add_subparsers(dest="command", required=True)
 
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo-model", help="write a small deterministic HF-layout checkpoint")
-    d.add_argument("dir")
-    d.add_argument("--arch", choices=SUPPORTED_ARCHES, default="llama")
+    d.add_argument("dir", help="the checkpoint directory to write")
+    d.add_argument(
+        "--arch", choices=SUPPORTED_ARCHES, default="llama", help=flag_help("architecture", "llama")
+    )
     defaults = {f.name: f.default for f in fields(DemoSpec)}
-    for name in (
-        "layers",
-        "hidden",
-        "heads",
-        "kv_heads",
-        "vocab",
-        "max_position_embeddings",
-        "seed",
-    ):
-        d.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
-    d.add_argument("--intermediate", type=int, default=None, help="default: ~8/3 x hidden")
-    d.add_argument("--tie-embeddings", action="store_true")
+    for name, text in _DEMO_SIZES.items():
+        d.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=defaults[name],
+            help=flag_help(text, str(defaults[name])),
+        )
+    d.add_argument("--intermediate", type=int, default=None, help=flag_help("MLP size", "~8/3 x hidden"))
+    d.add_argument(
+        "--tie-embeddings", action="store_true", help=flag_help("lm_head shares the embedding", "off")
+    )
     d.add_argument(
         "--bos",
         action="store_true",
-        help="the tokenizer adds a BOS (post-processor); chat template in chat_template.jinja",
+        help=flag_help(
+            "the tokenizer adds a BOS (post-processor); chat template in chat_template.jinja", "off"
+        ),
     )
     d.set_defaults(func=_demo_model)
 
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="offline generation for a few prompts")
     g.add_argument(
         "--prompt", action="append", required=True, help=flag_help("a prompt (repeat for more)", "required")
@@ -249,24 +259,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(g, RouterConfig, skip={f.name for f in fields(RouterConfig)} - {"generation_config"})
     g.set_defaults(func=_generate, quantization=None)  # None: model_path.default_quantization
 
+
+def _add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("replay", help="re-execute a flight record offline; name the first plan that differs")
+    r.add_argument("file", help="a flight-*.msgpack dump (docs/observability.md)")
+    r.add_argument("--model", required=True, help="the checkpoint directory the group served")
+    r.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        help=flag_help("compare only this stage's output (and tokens)", "all"),
+    )
+    r.add_argument(
+        "--json", action="store_true", help=flag_help("print a JSON report instead of one line", "off")
+    )
+    r.set_defaults(func=_replay)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipeserve.bench.serving import add_bench_parser
+    from pipeserve.router.http.standalone import add_router_parser
+    from pipeserve.supervisor.up import add_up_parser
+
+    parser = argparse.ArgumentParser(prog="pipeserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_parser(sub)
+    _add_generate_parser(sub)
     c = sub.add_parser("convert-gguf", help="convert a GGUF checkpoint into an HF safetensors checkpoint")
     c.add_argument("src", help="the .gguf file")
     c.add_argument("dst", help="the checkpoint directory to create (must not exist or be empty)")
     c.set_defaults(func=_convert_gguf)
-
     s = sub.add_parser("stage", help="run one stage of a pipeline group")
     add_stage_args(s)  # stage_flags.py: the operator checks engine flags against the same definition
     s.set_defaults(func=_stage, quantization=None)  # None: model_path.default_quantization
     add_up_parser(sub)
     add_router_parser(sub)
     add_bench_parser(sub)
-
-    r = sub.add_parser("replay", help="re-execute a flight record offline; name the first plan that differs")
-    r.add_argument("file", help="a flight-*.msgpack dump (docs/observability.md)")
-    r.add_argument("--model", required=True, help="the checkpoint directory the group served")
-    r.add_argument("--stage", type=int, default=None, help="compare only this stage's output (and tokens)")
-    r.add_argument("--json", action="store_true", help="print a JSON report instead of one line")
-    r.set_defaults(func=_replay)
+    _add_replay_parser(sub)
     add_log_args(parser)
     for subparser in sub.choices.values():  # every process takes them; spawned ones get them by env
         add_log_args(subparser)

@@ -48,7 +48,12 @@ from pipeserve.errors import ConfigError, ExitCode
 from pipeserve.router.http.http_guard import RouterServer, server_config
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from pipeserve.local.redis_server import LocalRedis
+    from pipeserve.router.upstream.replicas import ReplicaSet
+    from pipeserve.supervisor.group import GroupSlot
+    from pipeserve.supervisor.supervisor import Supervisor
 
 # The parser (`add_up_parser`, built by `pipeserve --help` and every subcommand, the operator's
 # images included) must not import torch: what reaches the ring (local.launcher, local.redis_server,
@@ -218,17 +223,43 @@ async def _serve_groups(
             raise
         log.info("L3: private redis-server at %s", engine.hicache_url)
 
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
-
     from pipeserve.router.http.app import build_app
     from pipeserve.router.upstream.replicas import ReplicaSet
 
     replica_set = ReplicaSet(router, {s.name: s.grpc_target for s in slots}, registry)
     app = build_app(router, replica_set, registry)
+    _add_groups_route(app, slots, replica_set)
+    server = _Server(
+        server_config(app, router, access_log=False, timeout_graceful_shutdown=serve.drain_timeout_s)
+    )
+    signals = _Signals(server)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals, sig)
+
+    await replica_set.start()
+    http = asyncio.create_task(server.serve(sockets=[sock]))
+    ready = asyncio.create_task(_announce(supervisor, server, replica_set, len(slots), router))
+    fatal = asyncio.create_task(_give_up(supervisor, server))
+    keeper = asyncio.create_task(_watch_redis(redis)) if redis is not None else None
+    await http  # returns after a signal, once in-flight HTTP responses are done (or the drain expired)
+    ready.cancel()
+    fatal.cancel()
+    if keeper is not None:
+        keeper.cancel()
+    await replica_set.close()
+    drain = 0.0 if signals.count > 1 or supervisor.fatal else serve.drain_timeout_s
+    # Bounded: the drain, then each slot's kill grace (stages run in parallel), then a margin.
+    await asyncio.to_thread(watcher.stop, drain, drain + supervisor.config.kill_grace_s + 30.0)
+    return ExitCode.CANNOT_START if supervisor.fatal else ExitCode.OK
+
+
+def _add_groups_route(app: FastAPI, slots: list[GroupSlot], replica_set: ReplicaSet) -> None:
+    """GET /groups: the supervisor's view of every group (state, restarts, pids, endpoints) with
+    the router's."""
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
 
     def groups(request: Request) -> JSONResponse:
-        """The supervisor's view of every group (state, restarts, pids, endpoints) with the router's."""
         app.state.router.check_auth(request)
         routed = {r["name"]: r for r in replica_set.snapshot()}
         return JSONResponse([{**s.snapshot(), "router": routed.get(s.name)} for s in slots])
@@ -237,54 +268,42 @@ async def _serve_groups(
     # from the module's globals, where this function-local import is not.
     app.add_route("/groups", groups, methods=["GET"], include_in_schema=False)
 
-    server = _Server(
-        server_config(app, router, access_log=False, timeout_graceful_shutdown=serve.drain_timeout_s)
-    )
-    signals = 0
 
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal signals
-        signals += 1
-        server.should_exit = True
-        if signals > 1:
-            server.force_exit = True
+class _Signals:
+    """SIGTERM / SIGINT: the first drains (uvicorn's graceful shutdown), a second stops at once."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+        self.count = 0
+
+    def __call__(self, sig: signal.Signals) -> None:
+        self.count += 1
+        self.server.should_exit = True
+        if self.count > 1:
+            self.server.force_exit = True
             log.info("%s again: stopping now, without draining", sig.name)
         else:
             log.info("%s: shutting down (draining; a second signal stops at once)", sig.name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
 
-    await replica_set.start()
-    http = asyncio.create_task(server.serve(sockets=[sock]))
+async def _announce(
+    supervisor: Supervisor, server: _Server, replica_set: ReplicaSet, groups: int, router: RouterConfig
+) -> None:
+    """Say where `up` serves once every group is ready and routable."""
+    while not supervisor.all_ready.is_set():  # set on the supervisor's thread
+        await asyncio.sleep(0.1)
+    # Ready means routable: the router's own Health polls must see every group ready too.
+    while not server.started or not await replica_set.wait_ready(groups, timeout_s=1.0):
+        await asyncio.sleep(0.05)
+    print(f"pipeserve: serving {router.model_name} at http://{router.host}:{router.port}/v1", flush=True)
 
-    async def announce() -> None:
-        while not supervisor.all_ready.is_set():  # set on the supervisor's thread
-            await asyncio.sleep(0.1)
-        # Ready means routable: the router's own Health polls must see every group ready too.
-        while not server.started or not await replica_set.wait_ready(len(slots), timeout_s=1.0):
-            await asyncio.sleep(0.05)
-        print(f"pipeserve: serving {router.model_name} at http://{router.host}:{router.port}/v1", flush=True)
 
-    async def give_up() -> None:
-        while not supervisor.failed.is_set():
-            await asyncio.sleep(0.1)
-        log.error("cannot serve: %s", supervisor.fatal)
-        server.should_exit = True
-
-    ready = asyncio.create_task(announce())
-    fatal = asyncio.create_task(give_up())
-    keeper = asyncio.create_task(_watch_redis(redis)) if redis is not None else None
-    await http  # returns after a signal, once in-flight HTTP responses are done (or the drain expired)
-    ready.cancel()
-    fatal.cancel()
-    if keeper is not None:
-        keeper.cancel()
-    await replica_set.close()
-    drain = 0.0 if signals > 1 or supervisor.fatal else serve.drain_timeout_s
-    # Bounded: the drain, then each slot's kill grace (stages run in parallel), then a margin.
-    await asyncio.to_thread(watcher.stop, drain, drain + supervisor.config.kill_grace_s + 30.0)
-    return ExitCode.CANNOT_START if supervisor.fatal else ExitCode.OK
+async def _give_up(supervisor: Supervisor, server: _Server) -> None:
+    """The supervisor found a group that cannot start: the HTTP server stops, `up` exits."""
+    while not supervisor.failed.is_set():
+        await asyncio.sleep(0.1)
+    log.error("cannot serve: %s", supervisor.fatal)
+    server.should_exit = True
 
 
 def check_model(configs: UpConfigs) -> None:
