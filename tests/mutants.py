@@ -1178,8 +1178,8 @@ MUTANTS = [
     (
         "chart: an operator RBAC verb is missing",
         "charts/pipeserve/templates/operator-rbac.yaml",
-        '    verbs: ["get", "create", "update"]\n  - apiGroups: ["scheduling.volcano.sh"]',
-        '    verbs: ["get", "create"]\n  - apiGroups: ["scheduling.volcano.sh"]',
+        '    verbs: ["list", "watch", "create", "update"]\n  - apiGroups: ["scheduling.volcano.sh"]',
+        '    verbs: ["list", "watch", "create"]\n  - apiGroups: ["scheduling.volcano.sh"]',
         "tests/k8s/test_operator_rbac.py",
     ),
     (
