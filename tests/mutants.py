@@ -285,8 +285,8 @@ MUTANTS = [
     (
         "sampler divides by a temperature below the epsilon (float32 overflow)",
         "services/pipeserve/worker/sampler.py",
-        "        [min(max(s.temperature, SAMPLING_EPS), MAX_TEMPERATURE) for s in specs], device=dev",
-        "        [s.temperature for s in specs], device=dev",
+        "    return min(max(spec.temperature, SAMPLING_EPS), MAX_TEMPERATURE)",
+        "    return spec.temperature",
         "tests/stage/test_failure_isolation.py -k nan",
     ),
     (

@@ -39,7 +39,7 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.model.gguf_blocks import GgufBlocks
 from pipeserve.model.gguf_blocks import install as install_blocks
 from pipeserve.model.memory import return_freed_memory
-from pipeserve.model.quant import quantize_model
+from pipeserve.model.quant_q8 import quantize_model
 from pipeserve.model.stage_model import StageModel, StageSpec
 from pipeserve.obs.progress import Progress
 

@@ -264,28 +264,3 @@ class Int4Linear(nn.Module):
             )
         y = y.to(self.out_dtype).reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
-
-
-def quantize_model(model: nn.Module, mode: str, group: int) -> None:
-    """Swap every projection of the decoder layers (not lm_head) for its quantized form, in place."""
-    from pipeserve.model.layers import Linear
-    from pipeserve.model.quant_q8 import Q8_BLOCK, Q8Linear, q8_native, quantize_q8
-
-    if mode in ("none", "gguf"):  # gguf: the loader installs the file's blocks (gguf_blocks.install)
-        return
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, Linear) or name == "lm_head":
-                continue
-            w = child.weight.data
-            if mode == "int4" and w.shape[1] % group:
-                continue  # int4 needs whole groups along the input dim: this projection stays float
-            new: nn.Module
-            if mode == "int4":
-                new = Int4Linear(w, child.bias, group)
-            elif q8_native(w.device) and w.shape[1] % Q8_BLOCK == 0:
-                new = Q8Linear(*quantize_q8(w), child.bias, w.dtype)
-            else:
-                new = Int8Linear(w, child.bias)
-            setattr(parent, name, new)
-            del child, w

@@ -2,7 +2,8 @@
 `Q8Linear`, w = q * d (+ m) over blocks of 32 (Q6_K: its own 6-bit packing, scales per 16), served
 by the native kernels' q8_matmul on the CPU and Triton's q8_blocks_linear on CUDA; and
 `ConcatLinear`, a fused projection whose checkpoint parts come in different forms (a Q4_K_M file's
-q and k in Q4_K, its v in Q6_K). The 4-bit forms and the int8 per-channel form are model/quant.py's.
+q and k in Q4_K, its v in Q6_K). The 4-bit forms and the int8 per-channel form are model/quant.py's;
+`quantize_model`, which picks among all of them for --quantization int8/int4, is here, above both.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from pipeserve.model.gguf_types import Q6K_SCALE_BYTES, Q6K_VALUE_BYTES, QK_K, q8_block_scales, q8_values
-from pipeserve.model.quant import Int4Linear, native_kernels, triton_path
+from pipeserve.model.quant import Int4Linear, Int8Linear, native_kernels, triton_path
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +158,27 @@ class ConcatLinear(nn.Module):
 def q8_native(device: torch.device) -> bool:
     """Q8Linear serves 8-bit weights on `device` (a CPU with the native kernels)."""
     return device.type == "cpu" and native_kernels() is not None
+
+
+def quantize_model(model: nn.Module, mode: str, group: int) -> None:
+    """Swap every projection of the decoder layers (not lm_head) for its quantized form, in place."""
+    from pipeserve.model.layers import Linear
+
+    if mode in ("none", "gguf"):  # gguf: the loader installs the file's blocks (gguf_blocks.install)
+        return
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, Linear) or name == "lm_head":
+                continue
+            w = child.weight.data
+            if mode == "int4" and w.shape[1] % group:
+                continue  # int4 needs whole groups along the input dim: this projection stays float
+            new: nn.Module
+            if mode == "int4":
+                new = Int4Linear(w, child.bias, group)
+            elif q8_native(w.device) and w.shape[1] % Q8_BLOCK == 0:
+                new = Q8Linear(*quantize_q8(w), child.bias, w.dtype)
+            else:
+                new = Int8Linear(w, child.bias)
+            setattr(parent, name, new)
+            del child, w
