@@ -83,9 +83,9 @@ def declare_resources(k: kmock.KubernetesEmulator) -> None:
 
 def live(k: kmock.KubernetesEmulator, resource: str) -> dict[str, dict[str, Any]]:
     """name → the current body of every not-deleted object of `resource` in NS."""
-    out = {}
+    out, wanted = {}, kmock.resource(resource)
     for (res, ns, name), obj in k.objects.items():
-        if res == kmock.resource(resource) and ns == NS and not obj.deleted:
+        if res == wanted and ns == NS and not obj.deleted:
             out[name] = obj.raw
     return out
 
@@ -133,11 +133,11 @@ class SimulatedStatefulSetController:
         self.created = 0
 
     def step(self) -> None:
+        pods = live(self.k, PODS)  # once a step: this step creates only names that are missing
         for name, sts in live(self.k, STS).items():
             acting = self.seen[name] if self.stale_template and name in self.seen else sts
             if not self.stale_template:
                 self.seen[name] = copy.deepcopy(sts)
-            pods = live(self.k, PODS)
             for rank in range(int(sts["spec"].get("replicas") or 0)):
                 pod_name = f"{name}-{rank}"
                 if pod_name in pods:

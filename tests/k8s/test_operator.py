@@ -42,16 +42,19 @@ GEN = "pipeserve.io/group-generation"
 
 
 @contextlib.asynccontextmanager
-async def operator(k: kmock.KubernetesEmulator, body: dict):
+async def operator(k: kmock.KubernetesEmulator, body: dict, resync_s: float = 60.0):
+    """`body` is stored as pipeline "p" unless it names itself otherwise. Every test logs in through
+    this one function: kopf keeps a login handler per id (its qualified name), so another helper's
+    would stay registered with an earlier test's (stopped) server and be picked at random."""
     declare_resources(k)
-    k.objects[CR, NS, "p"] = body
+    k.objects[CR, NS, body["metadata"]["name"]] = body
     url = str(k.url)
 
     @kopf.on.login()
     def login(**_: object) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    memo = make_memo(Kube(api_client(url)), drain_s=5.0, network_policies=True)
+    memo = make_memo(Kube(api_client(url)), drain_s=5.0, network_policies=True, resync_s=resync_s)
     memo.clock = asyncio.get_running_loop().time  # backoffs and deadlines in loop time
     stop = asyncio.Event()
     task = asyncio.create_task(kopf.operator(standalone=True, namespaces=[NS], memo=memo, stop_flag=stop))

@@ -16,7 +16,6 @@ import contextlib
 from typing import Any
 
 import kmock
-import kopf
 import pytest
 from k8s_support import (
     CR,
@@ -25,15 +24,12 @@ from k8s_support import (
     PDB,
     SVC,
     SimulatedStatefulSetController,
-    declare_resources,
     eventually,
     live,
     pipeline,
     running,
 )
-
-from pipeserve_operator.kube import Kube, api_client
-from pipeserve_operator.main import make_memo
+from test_operator import operator
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
 
@@ -45,31 +41,20 @@ def _ready(k: kmock.KubernetesEmulator, name: str) -> bool:
 
 @contextlib.asynccontextmanager
 async def settled(k: kmock.KubernetesEmulator, names: list[str], resync_s: float, replicas: int = 2):
-    """The operator (real handlers, --network-policies) over pipelines `names`, each Ready."""
-    declare_resources(k)
+    """The operator (test_operator.operator: real handlers, --network-policies) over pipelines
+    `names`, each Ready."""
+    bodies = []
     for i, name in enumerate(names):
         body = pipeline(replicas=replicas, stages=1)
         body["metadata"].update(name=name, uid=f"uid-{i}")
-        k.objects[CR, NS, name] = body
-    url = str(k.url)
-
-    @kopf.on.login()
-    def login(**_: object) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=url, insecure=True)
-
-    memo = make_memo(Kube(api_client(url)), drain_s=5.0, network_policies=True, resync_s=resync_s)
-    memo.clock = asyncio.get_running_loop().time
-    stop = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(standalone=True, namespaces=[NS], memo=memo, stop_flag=stop))
+        bodies.append(body)
+    for body in bodies[1:]:
+        k.objects[CR, NS, body["metadata"]["name"]] = body
     controller = SimulatedStatefulSetController(k, period_s=0.2)
-    try:
-        async with running(controller.run()):
-            await eventually(lambda: all(_ready(k, n) for n in names), timeout=120)
-            await asyncio.sleep(1)  # the last writes' watch events go by
-            yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
+    async with operator(k, bodies[0], resync_s=resync_s), running(controller.run()):
+        await eventually(lambda: all(_ready(k, n) for n in names), timeout=120)
+        await asyncio.sleep(1)  # the last writes' watch events go by
+        yield
 
 
 def _since(k: kmock.KubernetesEmulator, start: int) -> collections.Counter[str]:
