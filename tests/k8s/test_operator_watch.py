@@ -52,7 +52,8 @@ async def settled(k: kmock.KubernetesEmulator, names: list[str], resync_s: float
         k.objects[CR, NS, body["metadata"]["name"]] = body
     controller = SimulatedStatefulSetController(k, period_s=0.2)
     async with operator(k, bodies[0], resync_s=resync_s), running(controller.run()):
-        await eventually(lambda: all(_ready(k, n) for n in names), timeout=120)
+        # Wall time: a write storm (the status mutant) keeps the loop busy, and loop time would crawl.
+        await eventually(lambda: all(_ready(k, n) for n in names), timeout=120, wall=True)
         await asyncio.sleep(1)  # the last writes' watch events go by
         yield
 
