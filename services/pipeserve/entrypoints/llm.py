@@ -149,6 +149,11 @@ class LLM:
         streams = [
             _Output(req, TextStream(self._decode, req.params.stop, req.params.min_tokens)) for req in reqs
         ]
+        self._run(streams)
+        return [_request_output(prompt, out) for prompt, out in zip(prompt_list, streams, strict=True)]
+
+    def _run(self, streams: list[_Output]) -> None:
+        """Step the engine until every request is finished; a stop string ends its request."""
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
@@ -158,30 +163,26 @@ class LLM:
         except GroupStopped:
             self.shutdown()  # the other stages are exiting; reap them
             raise
-        results = []
-        for prompt, out in zip(prompt_list, streams, strict=True):
-            req = out.req
-            results.append(
-                RequestOutput(
-                    request_id=req.req_id,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=req.prompt_token_ids,
-                    outputs=[
-                        CompletionOutput(
-                            0,
-                            out.finish(),
-                            list(req.output_token_ids),
-                            req.finish_reason.value if req.finish_reason else None,
-                            list(req.output_logprobs) if req.params.logprobs is not None else None,
-                        )
-                    ],
-                    num_cached_tokens=req.num_cached_prompt_tokens,
-                    prompt_logprobs=[None, *req.prompt_scores]
-                    if req.params.prompt_logprobs is not None
-                    else None,
-                )
+
+
+def _request_output(prompt: Prompt, out: _Output) -> RequestOutput:
+    req = out.req
+    return RequestOutput(
+        request_id=req.req_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=req.prompt_token_ids,
+        outputs=[
+            CompletionOutput(
+                0,
+                out.finish(),
+                list(req.output_token_ids),
+                req.finish_reason.value if req.finish_reason else None,
+                list(req.output_logprobs) if req.params.logprobs is not None else None,
             )
-        return results
+        ],
+        num_cached_tokens=req.num_cached_prompt_tokens,
+        prompt_logprobs=[None, *req.prompt_scores] if req.params.prompt_logprobs is not None else None,
+    )
 
 
 class _Output:
