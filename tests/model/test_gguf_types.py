@@ -186,11 +186,11 @@ def test_8_bit_forms_compute_on_every_level(wide_tensors, level_kernels, qtype: 
 def test_without_native_kernels_the_8_bit_forms_dequantize_per_call(
     tensors, qtype: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from pipeserve.model import quant
+    from pipeserve.model import quant_q8
 
     module = _served(qtype, read_blocks(tensors[qtype]))
     module._kernels = None  # as built where the native kernels are off (PIPESERVE_KERNELS=torch)
-    quant._fallback_once.cache_clear()
+    quant_q8._fallback_once.cache_clear()
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.WARNING, logger="pipeserve.model.quant_q8"):
         assert torch.equal(module(x), F.linear(x, module.dequantized()))
