@@ -62,27 +62,41 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
+def _scaled(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """[R, V] logits / each row's temperature, after subtracting each row's max: the scaled
+    logits are <= 0, so exp() cannot overflow."""
+    temps = torch.tensor([_temperature(s) for s in specs], device=logits.device).float()
+    return (logits - logits.max(dim=-1, keepdim=True).values) / temps[:, None]
+
+
+def _limits(specs: list[SamplingSpec], vocab: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each row's (top_k, top_p, min_p) as [R] tensors; top_k outside (0, vocab) is the vocabulary."""
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in specs], device=dev)
+    top_p = torch.tensor([s.top_p for s in specs], device=dev, dtype=torch.float32)
+    min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=torch.float32)
+    return top_k, top_p, min_p
+
+
+def _drop(p: torch.Tensor, drop: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Add top-p's and min-p's drops to `drop` over probabilities `p` sorted descending: top-p keeps
+    the smallest prefix whose mass reaches top_p (top_p == 1 filters nothing: a float cumsum can
+    reach 1.0 before the tail); the first token is always kept."""
+    drop = drop | ((p.cumsum(dim=-1) - p >= top_p[:, None]) & (top_p[:, None] < 1))
+    drop |= p < (min_p[:, None] * p[:, :1])
+    drop[:, 0] = False
+    return drop
+
+
 def _filter(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on [R, V] float32 logits -> probabilities (rows sum to 1)."""
     dev = logits.device
     vocab = logits.shape[-1]
-    temps = torch.tensor([_temperature(s) for s in specs], device=dev).float()
-    # Subtract each row's max first: the scaled logits are <= 0, so exp() cannot overflow.
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    logits = logits / temps[:, None]
-    top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in specs], device=dev)
-    top_p = torch.tensor([s.top_p for s in specs], device=dev, dtype=torch.float32)
-    min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=torch.float32)
+    logits = _scaled(logits, specs)
+    top_k, top_p, min_p = _limits(specs, vocab, dev)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev)[None, :]
-    drop = ranks >= top_k[:, None]
+    drop = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always).
-    # top_p == 1 filters nothing: a float cumsum can reach 1.0 before the tail.
-    cum_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= (cum_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    drop |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
-    drop[:, 0] = False
+    drop = _drop(sorted_probs, drop, top_p, min_p)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
@@ -107,9 +121,7 @@ def _distributions(
     out: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(specs)
     plain = [i for i, s in enumerate(specs) if not _has_filter(s, vocab)]
     if plain:
-        temps = torch.tensor([_temperature(specs[i]) for i in plain], device=logits.device)
-        rows = logits[plain]
-        probs = ((rows - rows.max(dim=-1, keepdim=True).values) / temps[:, None]).softmax(dim=-1)
+        probs = _scaled(logits[plain], [specs[i] for i in plain]).softmax(dim=-1)
         for j, i in enumerate(plain):
             out[i] = (probs[j], None)
     rest = [i for i, s in enumerate(specs) if _has_filter(s, vocab)]
@@ -117,22 +129,18 @@ def _distributions(
     if rest and k < vocab:
         dev = logits.device
         sub = [specs[i] for i in rest]
-        temps = torch.tensor([_temperature(s) for s in sub], device=dev)
-        rows = logits[rest]
-        scaled = (rows - rows.max(dim=-1, keepdim=True).values) / temps[:, None]
+        scaled = _scaled(logits[rest], sub)
         vals, ids = scaled.topk(k, dim=-1)  # sorted, descending
-        top_k = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in sub], device=dev)
-        top_p = torch.tensor([s.top_p for s in sub], device=dev, dtype=torch.float32)
-        min_p = torch.tensor([s.min_p for s in sub], device=dev, dtype=torch.float32)
+        top_k, top_p, min_p = _limits(sub, vocab, dev)
         within = top_k <= k  # top-k's renormalisation is over candidates only
         beyond = torch.arange(k, device=dev)[None, :] >= top_k[:, None]
         p_topk = vals.masked_fill(beyond, float("-inf")).softmax(dim=-1)
         p_all = (vals - scaled.logsumexp(dim=-1, keepdim=True)).exp()
         p = torch.where(within[:, None], p_topk, p_all)
-        drop = beyond | ((p.cumsum(dim=-1) - p >= top_p[:, None]) & (top_p[:, None] < 1))
-        drop |= p < (min_p[:, None] * p[:, :1])
-        drop[:, 0] = False
-        exact = (within | drop[:, -1]) & ((top_k <= k) | (top_k >= vocab))
+        drop = _drop(p, beyond, top_p, min_p)
+        # Exact: top-k within the candidates, or no top-k and the last candidate dropped (every
+        # token after it has less mass before it and less probability: dropped too).
+        exact = within | (drop[:, -1] & (top_k >= vocab))
         kept = vals.masked_fill(drop, float("-inf")).softmax(dim=-1)
         for j, i in enumerate(rest):
             if bool(exact[j]):
