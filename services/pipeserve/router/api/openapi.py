@@ -30,7 +30,8 @@ from typing import Any
 from pipeserve.detokenize import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeserve.router.api import openapi_chat, openapi_tools
 from pipeserve.router.api.openapi_structured import structured_properties
-from pipeserve.router.api.protocol import MAX_N, PER_ENDPOINT  # each endpoint documents these its own way
+from pipeserve.router.api.protocol import MAX_N
+from pipeserve.router.api.protocol_fields import PER_ENDPOINT  # each endpoint documents these its own way
 from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, FIELDS, MAX_LOGPROBS, SAMPLING_FIELDS, SamplingField
 from pipeserve.sampling_params import MAX_LOGIT_BIAS
 

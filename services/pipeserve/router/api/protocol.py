@@ -5,11 +5,11 @@ return a CompletionRequest / ChatRequest or raise APIError (400, naming the
 field the client sent). Rules:
 * Unknown fields are ignored (clients send extra ones); JSON null means "not
   given" for every optional field.
-* The sampling fields are read by SamplingParams' own annotations (an `int`
-  field takes a JSON integer, a `float` one a finite number, `list[str]` a
-  string or a list of strings...), and range-checked by SamplingParams itself:
-  the router and stage 0 run the same checks. Only `max_tokens` (chat's
-  `max_completion_tokens`, default "up to the context") and `logprobs` (chat's
+* The sampling fields are read by SamplingParams' own annotations
+  (router/api/protocol_fields.py: an `int` field takes a JSON integer, a
+  `float` one a finite number, `list[str]` a string or a list of strings...), and
+  range-checked by SamplingParams itself: the router and stage 0 run the same checks.
+  Only `max_tokens` (chat's `max_completion_tokens`, default "up to the context") and `logprobs` (chat's
   `logprobs` + `top_logprobs`) differ per endpoint and are read here.
 * Types are strict: an integer field (token ids included) takes a JSON integer
   or a float with an integral value (4.0, as pydantic's lax mode and so
@@ -50,161 +50,29 @@ field the client sent). Rules:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, get_type_hints
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pipeserve.errors import InvalidRequestError
 from pipeserve.request_defaults import NO_DEFAULTS, RequestDefaults
 from pipeserve.router import errors
 from pipeserve.router.api.chat_args import ChatArgs, parse_chat_args
+from pipeserve.router.api.protocol_fields import (
+    MISSING,
+    SAMPLING_FIELDS,
+    check_text,
+    read_bool,
+    read_int,
+    short,
+    token_list,
+    value_of,
+)
 from pipeserve.router.features.structured import StructuredSpec, parse_structured, sampling_fields
 from pipeserve.router.features.tools import NO_TOOLS, ToolsSpec, forced_schema, message_fields, parse_tools
 from pipeserve.sampling_fields import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
-from pipeserve.sampling_params import SamplingParams, default_of
+from pipeserve.sampling_params import SamplingParams
 
-_MISSING = object()
 MAX_N = 128  # choices (and best_of candidates) per prompt
-PER_ENDPOINT = (
-    "max_tokens",
-    "logprobs",
-    "structured_kind",
-    "structured",
-    "structured_compact",
-)  # read by each parser, not by their annotation
-
-
-def _get(body: dict, key: str) -> Any:
-    value = body.get(key, _MISSING)
-    return _MISSING if value is None else value
-
-
-def check_text(value: str, param: str) -> str:
-    """`value`, if it encodes as UTF-8; a lone surrogate is a 400 that does not echo it."""
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise errors.invalid(
-                param, f"contains a lone surrogate at character {e.start} (invalid Unicode)"
-            ) from None
-    return value
-
-
-def _as_int(v: Any) -> int | None:
-    """A JSON integer, or a float with an integral value (4.0), as pydantic's lax mode (and so vLLM)
-    takes it; None for anything else (1.5, true, "4", NaN, inf)."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    return None
-
-
-def _int(body: dict, key: str, default: Any) -> Any:
-    v = _get(body, key)
-    if v is _MISSING:
-        return default
-    n = _as_int(v)
-    if n is None:
-        raise errors.invalid(key, f"must be an integer, got {_short(v)}")
-    return n
-
-
-def _number(body: dict, key: str, default: Any) -> Any:
-    v = _get(body, key)
-    if v is _MISSING:
-        return default
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        try:
-            f = float(v)  # an integer literal of hundreds of digits overflows here
-        except OverflowError:
-            f = math.inf
-        if math.isfinite(f):
-            return f
-    raise errors.invalid(key, f"must be a finite number, got {_short(v)}")
-
-
-def _bool(body: dict, key: str, default: Any) -> Any:
-    v = _get(body, key)
-    if v is _MISSING:
-        return default
-    if not isinstance(v, bool):
-        raise errors.invalid(key, f"must be a boolean, got {_short(v)}")
-    return v
-
-
-def _strings(body: dict, key: str, default: Any) -> Any:
-    v = _get(body, key)
-    if v is _MISSING:
-        return default
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise errors.invalid(key, "must be a string or a list of strings")
-    return [check_text(s, key) for s in v]
-
-
-def _ints(body: dict, key: str, default: Any) -> Any:
-    v = _get(body, key)
-    if v is _MISSING:
-        return default
-    ids = _token_list(v)
-    if ids is None:
-        raise errors.invalid(key, "must be a list of integers")
-    return ids
-
-
-def _short(v: Any) -> str:
-    text = repr(v)  # repr escapes lone surrogates, so the message always renders
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _token_list(v: Any) -> list[int] | None:
-    """`v` as a list of integers (see _as_int), or None when it is not one."""
-    if not isinstance(v, list):
-        return None
-    ids = [_as_int(t) for t in v]
-    return None if None in ids else ids  # type: ignore[return-value]
-
-
-def _bias(body: dict, key: str, default: Any) -> Any:
-    """OpenAI's logit_bias: {"token id": bias}; keys are decimal strings (or ints from a JSON-less client)."""
-    v = _get(body, key)
-    if v is _MISSING:
-        return default
-    if not isinstance(v, dict):
-        raise errors.invalid(key, "must be an object mapping token ids to biases")
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        # At most 20 digits: int() raises past 4300 digits, and no vocabulary is that big.
-        digits = isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20
-        t = int(k) if digits else (_as_int(k) if not isinstance(k, str) else None)
-        if t is None or b is None:
-            raise errors.invalid(key, f"must map token ids to numbers, got {_short(k)}: {_short(b)}")
-        out[t] = _number({key: b}, key, 0.0)
-    return out
-
-
-# How each SamplingParams annotation is read from JSON. A field whose type is not here
-# fails at import: give it a reader (or read it per endpoint).
-_READERS = {
-    int: _int,
-    int | None: _int,
-    float: _number,
-    bool: _bool,
-    list[str]: _strings,
-    list[int]: _ints,
-    dict[int, float]: _bias,
-}
-_HINTS = get_type_hints(SamplingParams)
-_SAMPLING_FIELDS = [
-    (f.name, _READERS[_HINTS[f.name]], default_of(f))
-    for f in fields(SamplingParams)
-    if f.name not in PER_ENDPOINT
-]
 
 
 @dataclass
@@ -254,7 +122,7 @@ def _sampling(
     defaults: RequestDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
     values = {
-        name: read(body, name, defaults.value(name, default)) for name, read, default in _SAMPLING_FIELDS
+        name: read(body, name, defaults.value(name, default)) for name, read, default in SAMPLING_FIELDS
     }
     values.update(sampling_fields(structured))
     try:
@@ -265,39 +133,39 @@ def _sampling(
 
 
 def _n(body: dict) -> int:
-    n = _int(body, "n", 1)
+    n = read_int(body, "n", 1)
     if not 1 <= n <= MAX_N:
-        raise errors.invalid("n", f"must be in [1, {MAX_N}], got {_short(n)}")
+        raise errors.invalid("n", f"must be in [1, {MAX_N}], got {short(n)}")
     return n
 
 
 def _best_of(body: dict, n: int, stream: bool) -> int:
-    best_of = _int(body, "best_of", n)
+    best_of = read_int(body, "best_of", n)
     if not n <= best_of <= MAX_N:
-        raise errors.invalid("best_of", f"must be in [n, {MAX_N}] (n = {n}), got {_short(best_of)}")
+        raise errors.invalid("best_of", f"must be in [n, {MAX_N}] (n = {n}), got {short(best_of)}")
     if stream and best_of != n:
         raise errors.invalid("best_of", "must equal n when streaming (the best are known only at the end)")
     return best_of
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:
-    stream = _bool(body, "stream", False)
-    options = _get(body, "stream_options")
-    if options is _MISSING:
+    stream = read_bool(body, "stream", False)
+    options = value_of(body, "stream_options")
+    if options is MISSING:
         return stream, False
     if not stream:
         raise errors.invalid("stream_options", "is only allowed with stream: true")
     if not isinstance(options, dict):
         raise errors.invalid("stream_options", "must be an object")
-    return stream, _bool(options, "include_usage", False)
+    return stream, read_bool(options, "include_usage", False)
 
 
 def _model(body: dict) -> str | None:
-    model = _get(body, "model")
-    if model is _MISSING:
+    model = value_of(body, "model")
+    if model is MISSING:
         return None
     if not isinstance(model, str):
-        raise errors.invalid("model", f"must be a string, got {_short(model)}")
+        raise errors.invalid("model", f"must be a string, got {short(model)}")
     return check_text(model, "model")
 
 
@@ -313,16 +181,16 @@ def _prompts(prompt: Any) -> list[str | list[int]] | None:
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         return None
-    if (ids := _token_list(prompt)) is not None:
+    if (ids := token_list(prompt)) is not None:
         return [ids]
-    prompts = [p if isinstance(p, str) else _token_list(p) for p in prompt]
+    prompts = [p if isinstance(p, str) else token_list(p) for p in prompt]
     return None if None in prompts else prompts  # type: ignore[return-value]
 
 
 def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> CompletionRequest:
     body = _object(body)
-    prompt = _get(body, "prompt")
-    if prompt is _MISSING:
+    prompt = value_of(body, "prompt")
+    if prompt is MISSING:
         raise errors.invalid("prompt", "is required")
     prompts = _prompts(prompt)
     if prompts is None:
@@ -332,17 +200,17 @@ def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> Comp
     for p in prompts:
         if isinstance(p, str):
             check_text(p, "prompt")
-    echo = _bool(body, "echo", False)
-    suffix = _get(body, "suffix")
-    if suffix is not _MISSING and suffix != "":
+    echo = read_bool(body, "echo", False)
+    suffix = value_of(body, "suffix")
+    if suffix is not MISSING and suffix != "":
         raise errors.invalid("suffix", "is not supported")
     structured = parse_structured(body)
-    max_tokens = _int(body, "max_tokens", defaults.value("max_tokens", DEFAULT_MAX_TOKENS))
-    from_model = _get(body, "max_tokens") is _MISSING and defaults.from_model(
+    max_tokens = read_int(body, "max_tokens", defaults.value("max_tokens", DEFAULT_MAX_TOKENS))
+    from_model = value_of(body, "max_tokens") is MISSING and defaults.from_model(
         "max_tokens", DEFAULT_MAX_TOKENS
     )
     zero = echo and max_tokens == 0  # the prompt scored alone (vLLM): one token asked, then dropped
-    logprobs = _int(body, "logprobs", None)
+    logprobs = read_int(body, "logprobs", None)
     params = _sampling(body, 1 if zero else max_tokens, "max_tokens", logprobs, structured, defaults)
     asked_prompt_logprobs = params.prompt_logprobs
     if echo and logprobs is not None:  # the echoed tokens' logprobs come from the prompt's scores
@@ -355,8 +223,8 @@ def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> Comp
         params,
         stream,
         include_usage,
-        _bool(body, "return_token_ids", False),
-        _bool(body, "add_special_tokens", True),
+        read_bool(body, "return_token_ids", False),
+        read_bool(body, "add_special_tokens", True),
         structured=structured,
         n=n,
         best_of=_best_of(body, n, stream),
@@ -401,21 +269,21 @@ def _message(i: int, m: Any) -> dict:
 
 def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ChatRequest:
     body = _object(body)
-    messages = _get(body, "messages")
+    messages = value_of(body, "messages")
     if not isinstance(messages, list) or not messages:
         raise errors.invalid("messages", "must be a non-empty list of messages")
     parsed = [_message(i, m) for i, m in enumerate(messages)]
     max_param = (
-        "max_completion_tokens" if _get(body, "max_completion_tokens") is not _MISSING else "max_tokens"
+        "max_completion_tokens" if value_of(body, "max_completion_tokens") is not MISSING else "max_tokens"
     )
-    max_tokens = _int(body, max_param, defaults.value("max_tokens", None))
-    from_model = _get(body, max_param) is _MISSING and defaults.from_model("max_tokens", None)
-    want_logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None)
+    max_tokens = read_int(body, max_param, defaults.value("max_tokens", None))
+    from_model = value_of(body, max_param) is MISSING and defaults.from_model("max_tokens", None)
+    want_logprobs = read_bool(body, "logprobs", False)
+    top = read_int(body, "top_logprobs", None)
     if top is not None and not want_logprobs:
         raise errors.invalid("top_logprobs", "requires logprobs to be true")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise errors.invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {_short(top)}")
+        raise errors.invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {short(top)}")
     tools = parse_tools(body)
     if (schema := forced_schema(tools)) is not None:  # enforced through guided_json, as vLLM
         body = {**body, "guided_json": schema}
@@ -430,8 +298,8 @@ def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ChatReques
         params,
         stream,
         include_usage,
-        _bool(body, "return_token_ids", False),
-        _bool(body, "add_special_tokens", False),
+        read_bool(body, "return_token_ids", False),
+        read_bool(body, "add_special_tokens", False),
         max_param,
         tools,
         structured,
