@@ -2,6 +2,7 @@
 
     revs = Revisions.of(pipeline, full_spec, status)
     revs.view(i)      the pipeline as group i renders it (its StatefulSet, Service, PodGroup)
+    revs.typed(i)     group i's spec, typed (spec.parse: once per revision; msgspec.ValidationError)
     revs.digest(i)    the spec hash group i's pods must carry (observe.py: else outdated, rolled)
     revs.stored(all_updated) -> status.currentSpec to write
 
@@ -24,10 +25,13 @@ spec. status.currentRevision / updateRevision are the two hashes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
+from pipeserve_operator import spec as spec_model
 from pipeserve_operator.objects import NOT_ROLLED, spec_hash
+from pipeserve_operator.spec import PipelineSpec
 
 STATUS_FIELD = "currentSpec"
 
@@ -54,11 +58,23 @@ class Revisions:
                 stored = None
             if isinstance(stored, dict):
                 current = {**_rolled(stored), **{k: full[k] for k in NOT_ROLLED if k in full}}
-        partition = int((full.get("rollout") or {}).get("partition") or 0)
-        return cls(pipeline, full, current, partition)
+        return cls(pipeline, full, current, spec_model.shape(full).partition)
 
     def spec(self, index: int) -> dict[str, Any]:
         return self.update if index >= self.partition else self.current
+
+    @functools.cached_property
+    def _typed_update(self) -> PipelineSpec:
+        return spec_model.parse(self.update)
+
+    @functools.cached_property
+    def _typed_current(self) -> PipelineSpec:
+        return spec_model.parse(self.current)
+
+    def typed(self, index: int) -> PipelineSpec:
+        """Group `index`'s spec, typed: each revision parsed once (the first call raises
+        msgspec.ValidationError for a spec the model refuses, as every later one does)."""
+        return self._typed_update if self.spec(index) is self.update else self._typed_current
 
     def view(self, index: int) -> dict[str, Any]:
         return {**self.pipeline, "spec": self.spec(index)}
@@ -67,7 +83,7 @@ class Revisions:
         return spec_hash(self.spec(index))
 
     def stages(self, index: int) -> int:
-        return int(self.spec(index)["stages"])
+        return spec_model.shape(self.spec(index)).stages
 
     @property
     def update_revision(self) -> str:

@@ -11,7 +11,7 @@ tests never restate a default. What the schema cannot say (a list's length again
 mutually exclusive fields) is a CEL rule (`x-kubernetes-validations`), checked by the API server.
 `exclusiveMinimum` is OpenAPI v3.0's boolean form: validate examples with a Draft 4 validator. Enums
 come from their one definition: group phases from `care.restarts.GroupPhase`, router policies from
-`pipeserve.config.POLICIES` (what the router accepts), devices and placement modes from `pod.py`.
+`pipeserve.config.POLICIES` (what the router accepts), devices and placement modes from `spec.py`.
 """
 
 from __future__ import annotations

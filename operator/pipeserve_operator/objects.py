@@ -1,7 +1,7 @@
 """The objects a pipeline owns, ensured on every reconcile (not only when the spec changes).
 
-    await ensure_group(writer, pipeline, index, generation, live_sts, network_policies)
-    await ensure_pdb(writer, pipeline)          await ensure_pod_groups(writer, pipeline, indices)
+    await ensure_group(writer, pipeline, spec, index, generation, live_sts, network_policies)
+    await ensure_pdb(writer, pipeline)          await ensure_pod_groups(writer, pipeline, indices, spec_of)
 
 Every object carries the pipeline's owner reference (the garbage collector removes them with it).
 * Per group: the headless Service, the NetworkPolicy (`--network-policies`), the StatefulSet and,
@@ -38,6 +38,7 @@ from pipeserve_operator.resources import (
     stage_service,
     stage_statefulset,
 )
+from pipeserve_operator.spec import PipelineSpec
 from pipeserve_operator.writes import Writer
 
 # Spec fields that never change what a group runs: how many groups, how they roll, the router, backoffs.
@@ -68,8 +69,10 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def desired_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, Any]:
-    desired = stage_statefulset(pipeline, index, max(1, generation))
+def desired_statefulset(pipeline: dict, spec: PipelineSpec, index: int, generation: int) -> dict[str, Any]:
+    """`pipeline`: the CR as group `index` renders it (canary.py's view: its JSON spec is what the pods'
+    hash is taken of, unchanged across operator versions); `spec`: that spec, typed."""
+    desired = stage_statefulset(pipeline, spec, index, max(1, generation))
     template = desired["spec"]["template"]
     template["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = spec_hash(pipeline["spec"])
     return desired
@@ -83,6 +86,7 @@ def _hand_added(live: dict[str, Any], desired: dict[str, Any]) -> bool:
 async def ensure_group(
     writer: Writer,
     pipeline: dict,
+    spec: PipelineSpec,
     index: int,
     generation: int,
     live: dict | None,
@@ -100,7 +104,7 @@ async def ensure_group(
     if network_policies:
         policy = writer.view.get("NetworkPolicy", name)
         await writer.ensure(group_network_policy(pipeline, index), policy)
-    desired = desired_statefulset(pipeline, index, generation)
+    desired = desired_statefulset(pipeline, spec, index, generation)
     if live is None:
         if stopped:
             desired["spec"]["replicas"] = 0
@@ -139,10 +143,9 @@ def _times(quantity: Any, n: int) -> str:
     return str(int(total)) if total == total.to_integral_value() else f"{int(total * Decimal(1000))}m"
 
 
-def pod_group(pipeline: dict, index: int) -> dict[str, Any]:
+def pod_group(pipeline: dict, spec: PipelineSpec, index: int) -> dict[str, Any]:
     """The Volcano PodGroup of group `index`: all `stages` pods are scheduled together or not at all."""
-    spec = with_defaults(pipeline["spec"])
-    requests = (spec.get("resources") or {}).get("requests") or {}
+    requests = (spec.resources.requests if spec.resources is not None else None) or {}
     return {
         "apiVersion": "scheduling.volcano.sh/v1beta1",
         "kind": "PodGroup",
@@ -156,28 +159,26 @@ def pod_group(pipeline: dict, index: int) -> dict[str, Any]:
             "ownerReferences": [owner_reference(pipeline)],
         },
         "spec": {
-            "minMember": spec["stages"],
-            "minResources": {k: _times(v, spec["stages"]) for k, v in sorted(requests.items())},
+            "minMember": spec.stages,
+            "minResources": {k: _times(v, spec.stages) for k, v in sorted(requests.items())},
         },
     }
 
 
-def gang(spec: dict[str, Any]) -> str:
-    return str((spec.get("placement") or {}).get("gang") or "none")
-
-
 async def ensure_pod_groups(
-    writer: Writer, pipeline: dict, indices: list[int], view: Callable[[int], dict] | None = None
+    writer: Writer, pipeline: dict, indices: list[int], spec_of: Callable[[int], PipelineSpec]
 ) -> None:
     """With gang "volcano": a PodGroup for each group in `indices`; none for any other group (scaled
     away) and none at all under another gang mode (a pipeline switched from volcano to none or kueue).
-    `view(i)`: the pipeline as group i renders it (canary.py: a group below rollout.partition keeps the
+    `spec_of(i)`: the typed spec group i renders (canary.py: a group below rollout.partition keeps the
     previous spec, its gang mode and size included). NotFound: the PodGroup API is not served (raised
     by the create, so only when PodGroups are wanted: without Volcano the index is empty)."""
     ns = pipeline["metadata"]["namespace"]
-    views = {i: (view or (lambda _: pipeline))(i) for i in indices}
+    specs = {i: spec_of(i) for i in indices}
     wanted = {
-        pod_group_name(pipeline, i): pod_group(v, i) for i, v in views.items() if gang(v["spec"]) == "volcano"
+        pod_group_name(pipeline, i): pod_group(pipeline, s, i)
+        for i, s in specs.items()
+        if s.placement.gang == "volcano"
     }
     live = {g["metadata"]["name"]: g for g in writer.view.list("PodGroup")}
     for name, desired in wanted.items():

@@ -1,4 +1,4 @@
-"""The stage pod's device, customization and placement (pure functions of the defaulted spec).
+"""The stage pod's device, customization and placement (pure functions of the typed spec, spec.py).
 
     stage_device(spec) -> "cuda" | "cpu"     spec.device, or auto: cuda when the stage's resources
                                              (limits or requests) ask for nvidia.com/gpu > 0
@@ -29,12 +29,12 @@ from pipeserve_operator.owned import (
     OWNED_VOLUMES,
     SpecError,
 )
+from pipeserve_operator.spec import COLOCATE as COLOCATE
+from pipeserve_operator.spec import DEVICES as DEVICES
+from pipeserve_operator.spec import GANGS as GANGS
+from pipeserve_operator.spec import PipelineSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
-# The spec's choices (the CRD's enums are these): spec.device, placement.colocate, placement.gang.
-DEVICES = ("auto", "cpu", "cuda")
-COLOCATE = ("preferred", "required", "none")
-GANGS = ("none", "volcano", "kueue")
 SHM_PATH = "/dev/shm"
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
 KUEUE_GROUP_LABEL, KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/pod-group-name", "kueue.x-k8s.io/queue-name"
@@ -63,78 +63,76 @@ def _positive(quantity: Any) -> bool:
     return match is not None and float(match.group(1)) > 0
 
 
-def stage_device(spec: dict[str, Any]) -> str:
-    if spec.get("device", "auto") != "auto":
-        return str(spec["device"])
-    resources = spec.get("resources") or {}
-    for kind in ("limits", "requests"):
-        if _positive((resources.get(kind) or {}).get(GPU_RESOURCE, 0)):
+def stage_device(spec: PipelineSpec) -> str:
+    if spec.device != "auto":
+        return spec.device
+    res = spec.resources
+    for quantities in (res.limits, res.requests) if res else ():
+        if _positive((quantities or {}).get(GPU_RESOURCE, 0)):
             return "cuda"
     return "cpu"
 
 
-def check_owned_names(spec: dict[str, Any]) -> None:
+def check_owned_names(spec: PipelineSpec) -> None:
     """The builders' copy of the CRD's CEL rules (owned.py): a CR stored before a rule existed, or sent
-    to an API server that skipped it, is refused here with the field's name."""
-    for i, env in enumerate(spec.get("env") or []):
+    to an API server that skipped it, is refused here with the field's name. (env, volumes and mounts
+    are core/v1 objects, JSON as given: their keys are read as such.)"""
+    for i, env in enumerate(spec.env or []):
         if env.get("name") in OWNED_ENV:
             raise SpecError(f"env[{i}].name: {env['name']} is set by the operator")
-    for i, vol in enumerate(spec.get("volumes") or []):
+    for i, vol in enumerate(spec.volumes or []):
         if vol.get("name") in OWNED_VOLUMES:
             raise SpecError(f"volumes[{i}].name: {vol['name']} is a volume of the operator's")
-    model = spec.get("model") or {}
     owned_paths = set(OWNED_MOUNT_PATHS)
-    if model.get("persistentVolumeClaim") or model.get("hostPath"):
-        owned_paths.add(model.get("mountPath", "/models"))
-    for i, mount in enumerate(spec.get("volumeMounts") or []):
+    if spec.model.persistentVolumeClaim or spec.model.hostPath:
+        owned_paths.add(spec.model.mountPath)
+    for i, mount in enumerate(spec.volumeMounts or []):
         if mount.get("name") in OWNED_VOLUMES:
             raise SpecError(f"volumeMounts[{i}].name: {mount['name']} is a volume of the operator's")
         if mount.get("mountPath") in owned_paths:
             raise SpecError(f"volumeMounts[{i}].mountPath: {mount['mountPath']} is mounted by the operator")
-    for field, owned in (("podLabels", OWNED_LABELS), ("podAnnotations", OWNED_ANNOTATIONS)):
-        for key in spec.get(field) or {}:
+    for field, keys, owned in (
+        ("podLabels", spec.podLabels, OWNED_LABELS),
+        ("podAnnotations", spec.podAnnotations, OWNED_ANNOTATIONS),
+    ):
+        for key in keys or {}:
             if key.startswith(OWNED_LABEL_PREFIX) or key in owned:
                 raise SpecError(f"{field}.{key}: a key the operator sets")
-    gang = (spec.get("placement") or {}).get("gang", "none")
-    if gang == "volcano" and spec.get("schedulerName", "volcano") != "volcano":
+    gang = spec.placement.gang
+    if gang == "volcano" and (spec.schedulerName or "volcano") != "volcano":
         raise SpecError("schedulerName: placement.gang volcano schedules with volcano")
-    if gang == "kueue" and not (spec.get("placement") or {}).get("queueName"):
+    if gang == "kueue" and not spec.placement.queueName:
         raise SpecError("placement.queueName: required when placement.gang is kueue")
 
 
-def pod_volumes(spec: dict[str, Any], device: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def pod_volumes(spec: PipelineSpec, device: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    model = spec["model"]
-    if model.get("persistentVolumeClaim"):
-        pvc = {"claimName": model["persistentVolumeClaim"], "readOnly": True}
+    model = spec.model
+    if model.persistentVolumeClaim:
+        pvc = {"claimName": model.persistentVolumeClaim, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": pvc})
-    elif model.get("hostPath"):
-        volumes.append({"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}})
+    elif model.hostPath:
+        volumes.append({"name": "model", "hostPath": {"path": model.hostPath, "type": "Directory"}})
     if volumes[-1]["name"] == "model":
-        mounts.append({"name": "model", "mountPath": model["mountPath"], "readOnly": True})
+        mounts.append({"name": "model", "mountPath": model.mountPath, "readOnly": True})
     if device == "cuda":
-        size = spec.get("shmSizeLimit", "1Gi")
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shmSizeLimit}})
         mounts.append({"name": "dshm", "mountPath": SHM_PATH})
-    volumes += copy.deepcopy(spec.get("volumes") or [])
-    mounts += copy.deepcopy(spec.get("volumeMounts") or [])
+    volumes += copy.deepcopy(spec.volumes or [])
+    mounts += copy.deepcopy(spec.volumeMounts or [])
     return volumes, mounts
 
 
-def pod_affinity(spec: dict[str, Any], group_labels: dict[str, str]) -> dict[str, Any] | None:
+def pod_affinity(spec: PipelineSpec, group_labels: dict[str, str]) -> dict[str, Any] | None:
     """The spec's affinity, deep-copied, with the group's co-location term appended to its podAffinity
     (the user's own terms are kept)."""
-    affinity = copy.deepcopy(spec.get("affinity") or {})
-    placement = spec.get("placement") or {}
-    colocate = placement.get("colocate", "preferred")
-    if colocate != "none":
-        term = {
-            "labelSelector": {"matchLabels": dict(group_labels)},
-            "topologyKey": placement.get("topologyKey", "kubernetes.io/hostname"),
-        }
+    affinity = copy.deepcopy(spec.affinity or {})
+    placement = spec.placement
+    if placement.colocate != "none":
+        term = {"labelSelector": {"matchLabels": dict(group_labels)}, "topologyKey": placement.topologyKey}
         pod_aff = affinity.setdefault("podAffinity", {})
-        if colocate == "required":
+        if placement.colocate == "required":
             pod_aff.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
         else:
             weighted = {"weight": 100, "podAffinityTerm": term}
@@ -143,20 +141,20 @@ def pod_affinity(spec: dict[str, Any], group_labels: dict[str, str]) -> dict[str
 
 
 def gang_metadata(
-    spec: dict[str, Any], pod_group: str, stages: int
+    spec: PipelineSpec, pod_group: str, stages: int
 ) -> tuple[dict[str, str], dict[str, str], str | None]:
     """(labels, annotations, schedulerName) that make a gang scheduler place a group's pods together."""
-    placement = spec.get("placement") or {}
-    gang = placement.get("gang", "none")
-    if gang == "volcano":
+    placement = spec.placement
+    if placement.gang == "volcano":
         return {}, {VOLCANO_GROUP_ANNOTATION: pod_group}, "volcano"
-    if gang == "kueue":
-        labels = {KUEUE_GROUP_LABEL: pod_group, KUEUE_QUEUE_LABEL: placement["queueName"]}
+    if placement.gang == "kueue":
+        labels = {KUEUE_GROUP_LABEL: pod_group, KUEUE_QUEUE_LABEL: str(placement.queueName)}
         return labels, {KUEUE_COUNT_ANNOTATION: str(stages)}, None
     return {}, {}, None
 
 
-def customize(pod_spec: dict[str, Any], spec: dict[str, Any]) -> None:
+def customize(pod_spec: dict[str, Any], spec: PipelineSpec) -> None:
     for key in PASSED_THROUGH:
-        if spec.get(key):
-            pod_spec[key] = copy.deepcopy(spec[key])
+        value = getattr(spec, key)  # PASSED_THROUGH names PipelineSpec fields (a test checks each one)
+        if value:
+            pod_spec[key] = copy.deepcopy(value)

@@ -1,6 +1,7 @@
-"""Pure builders: an InferencePipeline (its body as a dict) → the objects of one group.
+"""Pure builders: an InferencePipeline → the objects of one group.
 
-    stage_statefulset(pipeline, index, generation) -> StatefulSet    stage_service(pipeline, index) -> Service
+    stage_statefulset(pipeline, spec, index, generation) -> StatefulSet
+    stage_service(pipeline, index) -> Service
     group_network_policy(pipeline, index) -> NetworkPolicy (with `pipeserve-operator --network-policies`)
     group_endpoint(pipeline, index) -> "P-g<i>-0.P-g<i>.NS.svc:50051"
     pod_group_name(pipeline, index) -> "P-g<i>" (group i's gang: Volcano PodGroup, Kueue pod group)
@@ -17,7 +18,9 @@ Contract (shared with the chart, the router discovery and the images; see docs/k
 * the stage command carries `--device` (spec.device; auto: cuda when the resources ask for nvidia.com/gpu)
   and `--connect-timeout-s` = startupDeadlineSeconds; the pod's /dev/shm, pass-through fields and
   placement are `pod.py`'s, the names the spec may not set `owned.py`'s.
-Defaults: callers pass `spec` through `crd.with_defaults` first; the builders apply them again anyway.
+`pipeline` (the CR as a dict) is read for its metadata only; what a group runs is read from `spec`, the
+typed model (spec.py's PipelineSpec, parsed once a reconcile): a misspelled field is a type error, not
+a silent None (tests/k8s/test_spec_typed.py keeps spec dict lookups out of the operator).
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ import io
 import math
 from typing import Any
 
+import msgspec
+
 from pipeserve import env as pipeserve_env
 from pipeserve_operator import pod
-from pipeserve_operator.crd import GROUP, KIND, VERSION, with_defaults
+from pipeserve_operator.crd import GROUP, KIND, VERSION
 from pipeserve_operator.owned import RESERVED_FLAGS as RESERVED_FLAGS
 from pipeserve_operator.owned import SpecError as SpecError
+from pipeserve_operator.spec import PipelineSpec
 
 GRPC_PORT, HEALTH_PORT, RENDEZVOUS_PORT = 50051, 8080, 29500
 PIPELINE_LABEL, GROUP_LABEL = "pipeserve.io/pipeline", "pipeserve.io/group"
@@ -180,23 +186,30 @@ def engine_args(engine: dict[str, Any]) -> list[str]:
     return args
 
 
-def stage_args(spec: dict[str, Any]) -> list[str]:
-    args = ["--model", spec["model"]["path"], "--world-size", str(spec["stages"])]
+def _number(value: float) -> str:
+    """A spec number as the user wrote it: the typed model holds 4 as 4.0, the flag stays `4` (what
+    the API server, which stores JSON, hands back for a whole number anyway)."""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def stage_args(spec: PipelineSpec) -> list[str]:
+    args = ["--model", spec.model.path, "--world-size", str(spec.stages)]
     args += ["--host", "0.0.0.0", "--health-port", str(HEALTH_PORT), "--grpc-port", str(GRPC_PORT)]
-    args += ["--wedge-timeout-s", str(spec["wedgeTimeoutSeconds"])]
+    args += ["--wedge-timeout-s", str(spec.wedgeTimeoutSeconds)]
     args += ["--device", pod.stage_device(spec)]
     # The group may wait for its slowest pod as long as the operator waits for it: a shorter rendezvous
     # deadline would make the ranks that started exit while rank 0 is still Pending (a restart loop).
-    args += ["--connect-timeout-s", str(spec["startupDeadlineSeconds"])]
-    if spec["model"].get("servedModelName") and "served-model-name" not in spec.get("engine", {}):
-        args += ["--served-model-name", spec["model"]["servedModelName"]]
-    if spec.get("layerSplit"):
-        if len(spec["layerSplit"]) != spec["stages"]:
+    args += ["--connect-timeout-s", str(spec.startupDeadlineSeconds)]
+    engine = spec.engine or {}  # flag name -> value: a JSON map checked against the stage's parser
+    if spec.model.servedModelName and "served-model-name" not in engine:
+        args += ["--served-model-name", spec.model.servedModelName]
+    if spec.layerSplit:
+        if len(spec.layerSplit) != spec.stages:
             raise SpecError("layerSplit: must have one entry per stage")
-        args += ["--layer-split", ",".join(str(n) for n in spec["layerSplit"])]
-    if spec.get("hicache", {}).get("hostCacheGB") is not None:
-        args += ["--host-cache-gb", str(spec["hicache"]["hostCacheGB"])]
-    args += engine_args(spec.get("engine") or {})
+        args += ["--layer-split", ",".join(str(n) for n in spec.layerSplit)]
+    if spec.hicache is not None and spec.hicache.hostCacheGB is not None:
+        args += ["--host-cache-gb", _number(spec.hicache.hostCacheGB)]
+    args += engine_args(engine)
     # Parse the whole line as the stage will: a value of the wrong type fails here, not in a crash loop.
     err = io.StringIO()
     try:
@@ -208,34 +221,31 @@ def stage_args(spec: dict[str, Any]) -> list[str]:
     return args
 
 
-def _env(pipeline: dict, index: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+def _env(pipeline: dict, index: int, spec: PipelineSpec) -> list[dict[str, Any]]:
     name, ns = group_name(pipeline, index), pipeline["metadata"]["namespace"]
     env: list[dict[str, Any]] = [
         {
             "name": pipeserve_env.RANK,
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         },
-        {"name": pipeserve_env.WORLD_SIZE, "value": str(spec["stages"])},
+        {"name": pipeserve_env.WORLD_SIZE, "value": str(spec.stages)},
         {"name": pipeserve_env.GROUP, "value": name},  # names the group in logs and flight dumps
         {"name": pipeserve_env.MASTER_ADDR, "value": f"{name}-0.{name}.{ns}.svc"},
         {"name": pipeserve_env.MASTER_PORT, "value": str(RENDEZVOUS_PORT)},
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only: caches go to the emptyDir
     ]
-    hicache = spec.get("hicache") or {}
-    if hicache.get("url"):
-        env.append({"name": pipeserve_env.HICACHE_URL, "value": hicache["url"]})
-    elif hicache.get("secretRef"):
-        ref = hicache["secretRef"]
-        secret = {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "url")}}
+    hicache = spec.hicache
+    if hicache is not None and hicache.url:
+        env.append({"name": pipeserve_env.HICACHE_URL, "value": hicache.url})
+    elif hicache is not None and hicache.secretRef is not None:
+        secret = {"secretKeyRef": {"name": hicache.secretRef.name, "key": hicache.secretRef.key}}
         env.append({"name": pipeserve_env.HICACHE_URL, "valueFrom": secret})
-    nccl = spec.get("nccl") or {}
-    if nccl.get("socketIfname"):
-        env += [
-            {"name": n, "value": nccl["socketIfname"]} for n in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-        ]
-    if nccl.get("debug"):
-        env.append({"name": "NCCL_DEBUG", "value": nccl["debug"]})
-    return env + [dict(e) for e in spec.get("env") or []]
+    nccl = spec.nccl
+    if nccl is not None and nccl.socketIfname:
+        env += [{"name": n, "value": nccl.socketIfname} for n in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")]
+    if nccl is not None and nccl.debug:
+        env.append({"name": "NCCL_DEBUG", "value": nccl.debug})
+    return env + [dict(e) for e in spec.env or []]
 
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
@@ -247,20 +257,16 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, Any]:
-    spec = with_defaults(pipeline["spec"])
-    if spec["model"].get("persistentVolumeClaim") and spec["model"].get("hostPath"):
-        raise SpecError("model.persistentVolumeClaim and model.hostPath are mutually exclusive")
-    pod.check_owned_names(spec)
-    volumes, mounts = pod.pod_volumes(spec, pod.stage_device(spec))
-    container = {
+def _container(pipeline: dict, index: int, spec: PipelineSpec, mounts: list[dict]) -> dict[str, Any]:
+    """The stage container: its command line, environment, ports, probes and resources."""
+    return {
         "name": "stage",
-        "image": spec["image"],
-        "imagePullPolicy": spec["imagePullPolicy"],
+        "image": spec.image,
+        "imagePullPolicy": spec.imagePullPolicy,
         "command": ["pipeserve", "stage"],
         "args": stage_args(spec),
         "env": _env(pipeline, index, spec),
-        **({"envFrom": [dict(e) for e in spec["envFrom"]]} if spec.get("envFrom") else {}),
+        **({"envFrom": [dict(e) for e in spec.envFrom]} if spec.envFrom else {}),
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT},
             {"name": "health", "containerPort": HEALTH_PORT},
@@ -270,9 +276,10 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
         "readinessProbe": _probe("/readyz", 5, 1),
         # Model loading: the startup probe allows the whole startup deadline before liveness takes over.
         "startupProbe": _probe(
-            "/livez", STARTUP_PERIOD_S, math.ceil(spec["startupDeadlineSeconds"] / STARTUP_PERIOD_S)
+            "/livez", STARTUP_PERIOD_S, math.ceil(spec.startupDeadlineSeconds / STARTUP_PERIOD_S)
         ),
-        "resources": spec.get("resources") or {},
+        # requests/limits as given (quantities untouched); none set: {}.
+        "resources": msgspec.to_builtins(spec.resources) if spec.resources is not None else {},
         "volumeMounts": mounts,
         "securityContext": {
             "allowPrivilegeEscalation": False,
@@ -280,9 +287,14 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    labels = {**group_selector(pipeline, index), "app.kubernetes.io/managed-by": "pipeserve-operator"}
+
+
+def _pod_spec(pipeline: dict, index: int, spec: PipelineSpec) -> tuple[dict[str, Any], dict, dict]:
+    """The pod spec (container, volumes, security, the spec's pass-through fields, placement), and the
+    gang scheduler's (labels, annotations) for the template's metadata."""
+    volumes, mounts = pod.pod_volumes(spec, pod.stage_device(spec))
     pod_spec: dict[str, Any] = {
-        "containers": [container],
+        "containers": [_container(pipeline, index, spec, mounts)],
         "volumes": volumes,
         "enableServiceLinks": False,
         "securityContext": {
@@ -298,19 +310,26 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
     if affinity:
         pod_spec["affinity"] = affinity
     gang_labels, annotations, scheduler = pod.gang_metadata(
-        spec, pod_group_name(pipeline, index), spec["stages"]
+        spec, pod_group_name(pipeline, index), spec.stages
     )
     if scheduler:
         pod_spec["schedulerName"] = scheduler
+    return pod_spec, gang_labels, annotations
+
+
+def stage_statefulset(pipeline: dict, spec: PipelineSpec, index: int, generation: int) -> dict[str, Any]:
+    """Group `index`'s StatefulSet. `pipeline` gives the metadata (name, namespace, uid) only; what the
+    group runs comes from `spec`, the typed model (spec.parse), of the revision this group renders."""
+    if spec.model.persistentVolumeClaim and spec.model.hostPath:
+        raise SpecError("model.persistentVolumeClaim and model.hostPath are mutually exclusive")
+    pod.check_owned_names(spec)
+    pod_spec, gang_labels, annotations = _pod_spec(pipeline, index, spec)
+    labels = {**group_selector(pipeline, index), "app.kubernetes.io/managed-by": "pipeserve-operator"}
+    # The user's pod labels first: the operator's own (selector, gang, generation) win a clash.
     template_meta: dict[str, Any] = {
-        "labels": {
-            **(spec.get("podLabels") or {}),
-            **gang_labels,
-            **labels,
-            GENERATION_LABEL: str(generation),
-        }
+        "labels": {**(spec.podLabels or {}), **gang_labels, **labels, GENERATION_LABEL: str(generation)}
     }
-    annotations = {**(spec.get("podAnnotations") or {}), **annotations}
+    annotations = {**(spec.podAnnotations or {}), **annotations}
     if annotations:
         template_meta["annotations"] = annotations
     return {
@@ -319,13 +338,10 @@ def stage_statefulset(pipeline: dict, index: int, generation: int) -> dict[str, 
         "metadata": _metadata(pipeline, index),
         "spec": {
             "serviceName": group_name(pipeline, index),
-            "replicas": spec["stages"],
+            "replicas": spec.stages,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": group_selector(pipeline, index)},
-            "template": {
-                "metadata": template_meta,
-                "spec": pod_spec,
-            },
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }

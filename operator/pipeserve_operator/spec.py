@@ -2,9 +2,10 @@
 
     openapi_schema() -> the spec's openAPIV3Schema (crd.py puts it in the CRD)
     parse(spec)      -> PipelineSpec: the defaulted spec, typed (the operator parses a CR once a tick)
+    shape(spec)      -> Shape(replicas, stages, partition): of a defaulted spec even one parse refuses
 
 Each field's type, default, bounds (`Meta(ge/le/min_length/max_items/...)`), enum (from its one
-definition: pod.py, pipeserve.config.POLICIES) and CEL rules (`x-kubernetes-validations`, through
+definition: here, pipeserve.config.POLICIES) and CEL rules (`x-kubernetes-validations`, through
 `Meta(extra_json_schema=...)`; the spec-wide ones in crd.py, which need owned.py's lists) live here.
 The pass-through core/v1 fields (volumes, tolerations, affinity, env, ...) stay JSON objects typed by
 their core/v1 schemas (corev1.py): the operator copies them into the pod as given.
@@ -16,18 +17,22 @@ empty `required` dropped, `exclusiveMinimum: n` as OpenAPI 3.0's `minimum: n, ex
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 from msgspec import Meta, field
 
 from pipeserve.config import POLICIES
 from pipeserve_operator import corev1
-from pipeserve_operator.pod import COLOCATE, DEVICES, GANGS
 
 # A group index bound: a StatefulSet's partition is an int32; a partition >= replicas holds every group.
 MAX_PARTITION = 10_000
 MAX_STAGES = 64
+# The spec's choices (the CRD's enums are these; pod.py renders each): spec.device, placement.colocate,
+# placement.gang.
+DEVICES = ("auto", "cpu", "cuda")
+COLOCATE = ("preferred", "required", "none")
+GANGS = ("none", "volcano", "kueue")
 
 
 def _enum(values: tuple[str, ...] | list[str], **extra: Any) -> Meta:
@@ -211,3 +216,18 @@ def parse(spec: dict[str, Any]) -> PipelineSpec:
     """The CR's spec, typed, with the model's defaults (msgspec.ValidationError for a spec the schema
     refuses: one stored before a bound existed, or an API server that skipped the schema)."""
     return msgspec.convert(spec, PipelineSpec)
+
+
+class Shape(NamedTuple):
+    replicas: int
+    stages: int
+    partition: int
+
+
+def shape(spec: dict[str, Any]) -> Shape:
+    """How many groups of how many stages a defaulted spec asks for, and its rollout partition, read from
+    the JSON: a spec the model refuses (InvalidSpec: nothing is rendered) still has its groups observed
+    and counted in status. The only dict reads of spec fields outside this module and crd.py's schema
+    walk (tests/k8s/test_spec_typed.py)."""
+    rollout = spec.get("rollout") or {}
+    return Shape(int(spec["replicas"]), int(spec["stages"]), int(rollout.get("partition") or 0))

@@ -16,7 +16,7 @@ Order within a tick (each step needs the previous one done):
 4. Groups no longer wanted leave status.groups (the router stops routing to them) first; their
    objects are deleted, highest index first, `drain_s` after that.
 5. A group pod Terminating 30 s past its grace period on a node that is NotReady, Unknown or gone is
-   deleted with grace 0 (preconditioned on its uid), with an Event and `status.forcedDeletions`.
+   deleted with grace 0 (preconditioned on its uid), with an Event and `status.forcedDeletions` (stuck.py).
 6. Status, through the status subresource (this loop is its only writer), only when it changed.
    `observedGeneration` is the
    generation whose objects were all ensured in step 2 (none refused, none raced: a Conflict is
@@ -29,7 +29,6 @@ Order within a tick (each step needs the previous one done):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 from typing import Any
 
@@ -37,7 +36,9 @@ import msgspec
 
 from pipeserve.care.restarts import (
     FleetGroup,
+    GroupObservation,
     GroupPhase,
+    GroupRecord,
     RestartPolicy,
     decide,
     max_surge,
@@ -65,10 +66,10 @@ from pipeserve_operator.resources import (
     stage_statefulset,
 )
 from pipeserve_operator.spec import PipelineSpec
+from pipeserve_operator.stuck import free_stuck_pods
 from pipeserve_operator.writes import Refusal, Writer
 
 LEGACY_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
-STUCK_AFTER_S = 30.0
 
 
 def _entries(status: Any) -> dict[int, dict[str, Any]]:
@@ -94,60 +95,6 @@ def _condition(kind: str, ok: bool, reason: str, message: str, previous: dict, n
     return out
 
 
-def _epoch(stamp: str) -> float:
-    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-
-
-async def _node_ready(kube: Kube, name: str | None) -> bool:
-    node = await kube.get_node(name) if name else None
-    if node is None:
-        return False
-    conditions = (node.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-async def free_stuck_pods(
-    kube: Kube, pipeline: dict, pods: list[dict[str, Any]], now: float, held: set[str] | None = None
-) -> int:
-    """Force-delete the group pods stuck Terminating on a lost node; returns how many.
-
-    A pod that still holds a finalizer is not forced: a grace-0 delete cannot remove it before its
-    finalizers are gone. Kueue's pod integration (placement.gang kueue, or a namespace Kueue manages)
-    adds `kueue.x-k8s.io/managed` and removes it only once the pod has terminated, which a lost node never
-    reports; stripping it would hide the pod from Kueue's quota accounting. So forced deletion is off
-    for such a pod: a Warning Event `StuckPod` (once per pod uid: `held`) names the finalizer and the
-    remedy (the node tainted out-of-service: the pod GC marks the pod Failed, Kueue then releases it)."""
-    forced = 0
-    held = set() if held is None else held
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        stamp = meta.get("deletionTimestamp")
-        # deletionTimestamp = when the delete was asked + the grace period: 30 s past the grace period.
-        if not stamp or now < _epoch(stamp) + STUCK_AFTER_S:
-            continue
-        node = (pod.get("spec") or {}).get("nodeName")
-        if await _node_ready(kube, node):
-            continue  # the kubelet is alive and will finish the termination
-        if meta.get("finalizers"):
-            if meta.get("uid") not in held:
-                held.add(str(meta.get("uid")))
-                why = (
-                    f"pod {meta['name']} stuck Terminating on node {node or '(none)'} (NotReady or gone), "
-                    f"held by finalizers {meta['finalizers']}: not forced (a forced delete waits for them "
-                    "too); taint the node node.kubernetes.io/out-of-service=nodeshutdown:NoExecute so that "
-                    "the pod is marked Failed and its finalizers' owner (Kueue) releases it"
-                )
-                await groups.post_event(kube, pipeline, "Warning", "StuckPod", why)
-            continue
-        if await kube.delete_pod(meta["namespace"], meta["name"], force_uid=meta.get("uid")):
-            forced += 1
-            why = (
-                f"pod {meta['name']} stuck Terminating on node {node or '(none)'} (NotReady or gone): forced"
-            )
-            await groups.post_event(kube, pipeline, "Warning", "ForcedDeletion", why)
-    return forced
-
-
 @dataclasses.dataclass
 class Tick:
     """What one tick saw and decided, for the status."""
@@ -163,11 +110,50 @@ class Tick:
     conflicts: int = 0  # writes that raced another writer (retried next tick; not observed)
 
 
+@dataclasses.dataclass
+class Fleet:
+    """The pipeline's groups as the indexes show them this tick, and which are wanted."""
+
+    sets: dict[int, dict[str, Any]]  # group index -> its StatefulSet
+    records: dict[int, GroupRecord]  # group index -> its supervision record (status.groups)
+    by_group: dict[int, list[dict[str, Any]]]  # group index -> its pods
+    observed: dict[int, GroupObservation]
+    replicas: int  # spec.replicas: groups at or above it are surge groups
+    wanted: list[int]  # 0..replicas-1, plus the surge group while a rollout wants one
+    extra: list[int]  # groups that exist and are not wanted (scaled away)
+
+
 async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | None:
-    """Reconcile `pipeline` once; returns the status written (None: none written)."""
-    kube: Kube = memo.kube
+    """Reconcile `pipeline` once; returns the status written (None: none written). The steps are the
+    module docstring's, one function each."""
+    if not await _live(memo.kube, pipeline):
+        return None
+    full = with_defaults(pipeline["spec"])
+    revs, now, entries = Revisions.of(pipeline, full, status), memo.clock(), _entries(status)
+    replicas = spec_model.shape(full).replicas
+    typed, surge, problem = _check(pipeline, revs, replicas)
+    view = memo.owned.of(pipeline)  # kopf's watch-fed indexes (indexes.py): no API reads
+    pods = view.list("Pod")
+    fleet = _fleet(view, pods, revs, entries, replicas, surge if not problem else None)
+    seen = Tick(revs, present=set(fleet.sets))
+    if not problem:
+        await _ensure(memo, pipeline, revs, fleet, seen, now)
+    await _supervise(memo, pipeline, typed, replicas, fleet, entries, seen, problem)
+    await _scale_down(memo, pipeline, fleet.extra, entries, fleet.wanted)
+    forced = await free_stuck_pods(memo.kube, pipeline, pods, now, memo.setdefault("held_pods", set()))
+    new = json.loads(json.dumps(_status(pipeline, replicas, status, seen, problem, forced, now)))
+    if new == status and new == (pipeline.get("status") or {}):
+        return None  # nothing changed: no write (its watch event would only wake this pipeline again)
+    await memo.kube.patch_pipeline_status(
+        pipeline["metadata"]["namespace"], pipeline["metadata"]["name"], {"status": new}
+    )
+    return new
+
+
+async def _live(kube: Kube, pipeline: dict[str, Any]) -> bool:
+    """Step 1: the legacy finalizer removed; False when this tick stops here (a pipeline being deleted
+    is the garbage collector's, a raced finalizer patch is retried next tick)."""
     meta = pipeline["metadata"]
-    ns, name = meta["namespace"], meta["name"]
     finalizers = list(meta.get("finalizers") or [])
     if LEGACY_FINALIZER in finalizers:
         # A merge patch replaces the list: the resourceVersion makes it fail (Conflict: next tick) rather
@@ -175,31 +161,34 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
         rest = [f for f in finalizers if f != LEGACY_FINALIZER]
         patch = {"metadata": {"finalizers": rest or None, "resourceVersion": meta.get("resourceVersion")}}
         try:
-            await kube.patch_pipeline(ns, name, patch)
+            await kube.patch_pipeline(meta["namespace"], meta["name"], patch)
         except Conflict:
-            return None
-    if meta.get("deletionTimestamp"):
-        return None
-    full = with_defaults(pipeline["spec"])
-    replicas, now = int(full["replicas"]), memo.clock()
-    revs = Revisions.of(pipeline, full, status)
-    problem, surge, typed = "", 0, None
+            return False
+    return not meta.get("deletionTimestamp")
+
+
+def _check(pipeline: dict, revs: Revisions, replicas: int) -> tuple[PipelineSpec | None, int, str]:
+    """(the update spec typed, the surge allowed, the problem that stops rendering: "" when none). Both
+    revisions must render: the previous one is what groups below rollout.partition keep running."""
     try:
-        typed = spec_model.parse(full)  # the typed spec (spec.py), read below instead of dict lookups
-        stage_statefulset(pipeline, 0, 1)
+        typed = revs.typed(replicas)  # >= the partition: the update spec (spec.parse, once a tick)
+        stage_statefulset(pipeline, typed, 0, 1)
         surge = max_surge(replicas, typed.rollout.maxSurge if typed.rollout else None)
     except msgspec.ValidationError as e:  # a CR stored before a bound existed, or a schema skipped
-        problem = f"spec: {e}"
+        return None, 0, f"spec: {e}"
     except (SpecError, ValueError) as e:
-        problem = str(e)
-    if not problem and revs.held_back():
+        return None, 0, str(e)
+    if revs.held_back():
         try:
-            stage_statefulset(revs.view(0), 0, 1)
-        except SpecError as e:
-            problem = f"the previous spec, kept below rollout.partition: {e}"
-    entries = _entries(status)
-    view = memo.owned.of(pipeline)  # kopf's watch-fed indexes (indexes.py): no API reads
-    pods = view.list("Pod")
+            stage_statefulset(pipeline, revs.typed(0), 0, 1)
+        except (SpecError, msgspec.ValidationError) as e:
+            return typed, surge, f"the previous spec, kept below rollout.partition: {e}"
+    return typed, surge, ""
+
+
+def _fleet(view: Any, pods: list, revs: Revisions, entries: dict, replicas: int, surge: int | None) -> Fleet:
+    """The groups seen and wanted. `surge`: how many surge groups the rollout may add (None: the spec
+    does not render, no surge)."""
     sets = {int(s["metadata"]["labels"][GROUP_LABEL]): s for s in view.list("StatefulSet")}
     records = {
         i: groups.load_record(entries.get(i), revs.digest(i)) for i in set(sets) | set(range(replicas))
@@ -212,68 +201,62 @@ async def tick(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> d
 
     fleet = [FleetGroup(i, records[i].phase, outdated(i), is_surge(s)) for i, s in sorted(sets.items())]
     wanted = list(range(replicas))
-    if not problem and want_surge(replicas, surge, fleet):
+    if surge is not None and want_surge(replicas, surge, fleet):
         wanted.append(replicas)
         records.setdefault(replicas, groups.load_record(entries.get(replicas), revs.digest(replicas)))
         group = by_group.get(replicas, [])
         observed.setdefault(replicas, group_observation(group, revs.stages(replicas), revs.digest(replicas)))
     extra = sorted(set(sets) - set(wanted))
-    seen = Tick(revs, present=set(sets))
-    if not problem:
-        writer = Writer(memo, pipeline, now)
-        for i in wanted:
-            stopped = records[i].phase in (GroupPhase.RESTARTING, GroupPhase.FAILED)
-            live, surge_group = sets.get(i), i >= replicas
-            generation = records[i].generation
-            net = memo.network_policies
-            if await ensure_group(writer, revs.view(i), i, generation, live, net, stopped, surge_group):
-                seen.present.add(i)
-        await ensure_pdb(writer, pipeline)
-        try:
-            await ensure_pod_groups(writer, pipeline, wanted + extra, revs.view)
-        except NotFound:  # the groups still run (unscheduled gangs are the scheduler's business)
-            seen.unensured = (
-                "placement.gang volcano: the PodGroup API (scheduling.volcano.sh/v1beta1) is not served"
-            )
-        writer.finish()
-        seen.refused, seen.conflicts = writer.refused, writer.conflicts
-    await _supervise(memo, pipeline, typed, full, wanted, records, observed, by_group, entries, seen, problem)
-    await _scale_down(memo, pipeline, extra, entries, wanted)
-    forced = await free_stuck_pods(kube, pipeline, pods, now, memo.setdefault("held_pods", set()))
-    new = json.loads(json.dumps(_status(pipeline, full, status, seen, problem, forced, now)))
-    if new == status and new == (pipeline.get("status") or {}):
-        return None  # nothing changed: no write (its watch event would only wake this pipeline again)
-    await kube.patch_pipeline_status(ns, name, {"status": new})
-    return new
+    return Fleet(sets, records, by_group, observed, replicas, wanted, extra)
+
+
+async def _ensure(memo: Any, pipeline: dict, revs: Revisions, fleet: Fleet, seen: Tick, now: float) -> None:
+    """Step 2: every wanted group's objects, the PDB and the PodGroups, written whole when they drift."""
+    writer = Writer(memo, pipeline, now)
+    for i in fleet.wanted:
+        stopped = fleet.records[i].phase in (GroupPhase.RESTARTING, GroupPhase.FAILED)
+        live, surge_group = fleet.sets.get(i), i >= fleet.replicas
+        generation = fleet.records[i].generation
+        net = memo.network_policies
+        typed = revs.typed(i)  # the revision group i renders (canary.py)
+        if await ensure_group(writer, revs.view(i), typed, i, generation, live, net, stopped, surge_group):
+            seen.present.add(i)
+    await ensure_pdb(writer, pipeline)
+    try:
+        await ensure_pod_groups(writer, pipeline, fleet.wanted + fleet.extra, revs.typed)
+    except NotFound:  # the groups still run (unscheduled gangs are the scheduler's business)
+        seen.unensured = (
+            "placement.gang volcano: the PodGroup API (scheduling.volcano.sh/v1beta1) is not served"
+        )
+    writer.finish()
+    seen.refused, seen.conflicts = writer.refused, writer.conflicts
 
 
 async def _supervise(
     memo: Any,
     pipeline: dict,
     typed: PipelineSpec | None,
-    full: dict,
-    wanted: list[int],
-    records: dict,
-    observed: dict,
-    by_group: dict,
+    replicas: int,
+    fleet: Fleet,
     entries: dict,
     seen: Tick,
     problem: str,
 ) -> None:
-    now, revs = memo.clock(), seen.revs
-    for index in wanted:
+    """Step 3: each wanted group observed, decided on and acted on; its status entry."""
+    now, revs, records, observed = memo.clock(), seen.revs, fleet.records, fleet.observed
+    for index in fleet.wanted:
         digest, stages = revs.digest(index), revs.stages(index)
         record = records[index]
         if typed is not None and not problem and index in seen.present:
-            fleet = [FleetGroup(i, records[i].phase) for i in sorted(seen.present) if i in records]
-            obs = dataclasses.replace(observed[index], may_roll=may_roll(index, fleet))
+            group_fleet = [FleetGroup(i, records[i].phase) for i in sorted(seen.present) if i in records]
+            obs = dataclasses.replace(observed[index], may_roll=may_roll(index, group_fleet))
             decision = decide(record, obs, _policy(typed), now)
             records[index] = decision.record
-            await groups.act(memo.kube, pipeline, index, stages, decision, by_group.get(index, []))
+            await groups.act(memo.kube, pipeline, index, stages, decision, fleet.by_group.get(index, []))
             seen.restarts += decision.record.restarts - record.restarts
             record = decision.record
         current = [s for s in observed[index].stages if s.generation == record.generation]
-        if index < int(full["replicas"]) and len(current) == stages and not any(s.outdated for s in current):
+        if index < replicas and len(current) == stages and not any(s.outdated for s in current):
             seen.on_target += 1  # on its revision (canary.py): the update spec, or below the partition
             seen.updated += digest == revs.update_revision
         seen.entries.append(groups.group_status(pipeline, index, record, entries.get(index), now, digest))
@@ -305,42 +288,21 @@ def _degraded_reason(problem: str, rejected: str, unensured: str) -> str:
 
 
 def _status(
-    pipeline: dict, full: dict, status: dict, seen: Tick, problem: str, forced: int, now: float
+    pipeline: dict, replicas: int, status: dict, seen: Tick, problem: str, forced: int, now: float
 ) -> dict[str, Any]:
-    replicas, generation = int(full["replicas"]), pipeline["metadata"].get("generation")
-    entries = seen.entries
-    ready = sum(1 for e in entries if e["ready"])
-    regular_ready = sum(1 for e in entries if e["ready"] and e["index"] < replicas)
-    failed = [e["index"] for e in entries if e["phase"] == GroupPhase.FAILED.value]
-    previous = {c.get("type"): c for c in status.get("conditions") or []}
-    stamp = groups.rfc3339(now)
+    """Step 6: the status this tick saw (written only when it changed)."""
+    generation, entries, revs = pipeline["metadata"].get("generation"), seen.entries, seen.revs
     rejected = "; ".join(r.describe(now) for r in seen.refused)
     blocked = problem or rejected or seen.unensured
     observed = status.get("observedGeneration") if blocked or seen.conflicts else generation
-    current = observed == generation and not blocked
-    settled = (
-        current
-        and regular_ready == replicas
-        and seen.on_target == replicas
-        and {e["index"] for e in entries} == set(range(replicas))
-        and seen.present == set(range(replicas))
-    )
-    degraded = bool(blocked or failed)
-    revs = seen.revs
     # The update spec becomes the current one once every group runs it (canary.py), never a spec that
     # failed to render.
     promoted = seen.updated == replicas and not problem
-    held = (
-        f"; groups below rollout.partition {revs.partition} keep the previous spec"
-        if revs.held_back()
-        else ""
-    )
-    why = blocked or (f"groups {failed} failed" if failed else "")
     last_failure = problem or next((e["lastFailure"] for e in entries if e["lastFailure"]), "")
     out: dict[str, Any] = {
         "replicas": len([e for e in entries if e["index"] in seen.present]),
         "updatedReplicas": seen.updated,
-        "readyReplicas": ready,
+        "readyReplicas": sum(1 for e in entries if e["ready"]),
         "restarts": int(status.get("restarts") or 0) + seen.restarts,
         "forcedDeletions": int(status.get("forcedDeletions") or 0) + forced,
         "lastFailure": last_failure or status.get("lastFailure") or "",
@@ -349,31 +311,69 @@ def _status(
         "updateRevision": revs.update_revision,
         "currentRevision": revs.update_revision if promoted else revs.current_revision,
         canary.STATUS_FIELD: revs.stored(all_updated=promoted),
-        "conditions": [
-            _condition(
-                "Ready",
-                settled,
-                "AllGroupsReady" if settled else "GroupsNotReady",
-                f"{regular_ready}/{replicas} groups ready, {seen.updated}/{replicas} on the current spec"
-                + held,
-                previous,
-                stamp,
-                generation,
-            ),
-            _condition(
-                "Progressing", not settled and not degraded, "Reconciling", "", previous, stamp, generation
-            ),
-            _condition(
-                "Degraded",
-                degraded,
-                _degraded_reason(problem, rejected, seen.unensured),
-                why,
-                previous,
-                stamp,
-                generation,
-            ),
-        ],
+        "conditions": _conditions(
+            replicas, status, seen, (problem, rejected, blocked), observed == generation, generation, now
+        ),
     }
     if observed is not None:
         out["observedGeneration"] = observed
     return out
+
+
+def _conditions(
+    replicas: int,
+    status: dict,
+    seen: Tick,
+    why: tuple[str, str, str],
+    current: bool,
+    generation: Any,
+    now: float,
+) -> list[dict[str, Any]]:
+    """Ready, Progressing, Degraded. `why`: (the spec's problem, the refused writes, either or the
+    unensured PodGroups: what blocks); `current`: this generation's objects were all ensured."""
+    problem, rejected, blocked = why
+    entries = seen.entries
+    regular_ready = sum(1 for e in entries if e["ready"] and e["index"] < replicas)
+    failed = [e["index"] for e in entries if e["phase"] == GroupPhase.FAILED.value]
+    previous = {c.get("type"): c for c in status.get("conditions") or []}
+    stamp = groups.rfc3339(now)
+    settled = (
+        current
+        and not blocked
+        and regular_ready == replicas
+        and seen.on_target == replicas
+        and {e["index"] for e in entries} == set(range(replicas))
+        and seen.present == set(range(replicas))
+    )
+    degraded = bool(blocked or failed)
+    revs = seen.revs
+    held = (
+        f"; groups below rollout.partition {revs.partition} keep the previous spec"
+        if revs.held_back()
+        else ""
+    )
+    ready_message = f"{regular_ready}/{replicas} groups ready, {seen.updated}/{replicas} on the current spec"
+    reason = _degraded_reason(problem, rejected, seen.unensured)
+    return [
+        _condition(
+            "Ready",
+            settled,
+            "AllGroupsReady" if settled else "GroupsNotReady",
+            ready_message + held,
+            previous,
+            stamp,
+            generation,
+        ),
+        _condition(
+            "Progressing", not settled and not degraded, "Reconciling", "", previous, stamp, generation
+        ),
+        _condition(
+            "Degraded",
+            degraded,
+            reason,
+            blocked or (f"groups {failed} failed" if failed else ""),
+            previous,
+            stamp,
+            generation,
+        ),
+    ]

@@ -17,7 +17,9 @@ from typing import Any
 import celpy
 from celpy import celtypes
 
+from pipeserve_operator import spec as spec_model
 from pipeserve_operator.crd import crd_manifest, spec_schema, with_defaults
+from pipeserve_operator.resources import stage_statefulset
 
 
 def cr_schema() -> dict[str, Any]:
@@ -100,3 +102,9 @@ def evaluate(rule: str, value: Any, schema: dict[str, Any]) -> bool:
     if isinstance(result, Exception):
         raise result
     return bool(result)
+
+
+def render(cr: dict[str, Any], index: int, generation: int) -> dict[str, Any]:
+    """Group `index`'s StatefulSet as the operator renders it: the spec defaulted and parsed once into
+    the typed model (spec.parse), the CR itself read for its metadata only."""
+    return stage_statefulset(cr, spec_model.parse(with_defaults(cr["spec"])), index, generation)

@@ -12,11 +12,11 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from crd_support import prune
+from crd_support import prune, render
 
 from pipeserve_operator import corev1
 from pipeserve_operator.crd import crd_manifest, spec_schema, with_defaults
-from pipeserve_operator.resources import SpecError, engine_args, stage_service, stage_statefulset
+from pipeserve_operator.resources import SpecError, engine_args, stage_service
 
 K8S = "1.35"
 EXAMPLE = {
@@ -62,7 +62,7 @@ def test_crd_is_a_valid_kubernetes_object() -> None:
 
 def test_example_validates_and_builds_valid_objects() -> None:
     schema_validator().validate(EXAMPLE)
-    kubernetes_validate.validate(stage_statefulset(EXAMPLE, 1, 3), K8S, strict=True)
+    kubernetes_validate.validate(render(EXAMPLE, 1, 3), K8S, strict=True)
     kubernetes_validate.validate(stage_service(EXAMPLE, 1), K8S, strict=True)
 
 
@@ -104,11 +104,11 @@ def test_rules_the_schema_cannot_say_are_cel_and_builder_checks() -> None:
     bad = copy.deepcopy(EXAMPLE)
     bad["spec"]["layerSplit"] = [8]
     with pytest.raises(SpecError, match="layerSplit"):
-        stage_statefulset(bad, 0, 1)
+        render(bad, 0, 1)
     bad = copy.deepcopy(EXAMPLE)
     bad["spec"]["model"]["hostPath"] = "/data"
     with pytest.raises(SpecError, match="mutually exclusive"):
-        stage_statefulset(bad, 0, 1)
+        render(bad, 0, 1)
 
 
 def test_with_defaults_fills_the_schema_defaults() -> None:
@@ -296,4 +296,4 @@ def test_enums_are_their_one_definitions() -> None:
         body = copy.deepcopy(EXAMPLE)
         body["spec"].update(extra)
         schema_validator().validate(body)
-        stage_statefulset(body, 0, 1)
+        render(body, 0, 1)

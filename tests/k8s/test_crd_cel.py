@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from chart_support import k8s_tools
-from crd_support import admitted, cel_rules, evaluate, node, schema_at
+from crd_support import admitted, cel_rules, evaluate, node, render, schema_at
 
 from pipeserve_operator.crd import spec_schema
-from pipeserve_operator.resources import SpecError, stage_statefulset
+from pipeserve_operator.resources import SpecError
 
 
 def cr(**spec: Any) -> dict[str, Any]:
@@ -159,12 +159,12 @@ def test_rule_accepts_the_good_and_refuses_the_bad(path: tuple[str, ...], rule: 
     good, bad, builder = EXAMPLES[_key(rule)]
     for spec in good:
         assert _check(path, rule, spec), (rule["rule"], spec)
-        stage_statefulset(admitted(cr(**spec)), 0, 1)  # a spec admission accepts renders
+        render(admitted(cr(**spec)), 0, 1)  # a spec admission accepts renders
     for spec in bad:
         assert not _check(path, rule, spec), (rule["rule"], spec)
         if builder:
             with pytest.raises(SpecError):
-                stage_statefulset(admitted(cr(**spec)), 0, 1)
+                render(admitted(cr(**spec)), 0, 1)
 
 
 def test_what_a_rule_iterates_is_bounded() -> None:
@@ -203,6 +203,6 @@ def test_the_charts_example_pipeline_passes_every_rule() -> None:
             value = node(spec, path)
             if value is not None:
                 assert evaluate(rule["rule"], value, schema_at(spec_schema(), path)), rule
-        sts = stage_statefulset({**admitted(example), "metadata": {**example["metadata"], "uid": "u"}}, 0, 1)
+        sts = render({**admitted(example), "metadata": {**example["metadata"], "uid": "u"}}, 0, 1)
         args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--device") + 1] == ("cuda" if extra else "cpu")

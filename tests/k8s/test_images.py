@@ -29,11 +29,11 @@ from pathlib import Path
 import httpx
 import pytest
 from chart_support import ROOT, Tools, k8s_tools
+from crd_support import render
 
 from pipeserve.cli import build_parser
 from pipeserve.local.launcher import free_port
 from pipeserve_operator.main import build_parser as operator_parser
-from pipeserve_operator.resources import stage_statefulset
 from serving_support import wait_http
 
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
@@ -104,7 +104,7 @@ def test_the_stage_command_sets_device_and_rendezvous_deadline() -> None:
     gpu = _demo_pipeline()
     gpu["spec"]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
     for body, device in ((_demo_pipeline(), "cpu"), (gpu, "cuda")):
-        (c,) = stage_statefulset(body, 0, 1)["spec"]["template"]["spec"]["containers"]
+        (c,) = render(body, 0, 1)["spec"]["template"]["spec"]["containers"]
         ns = build_parser().parse_args([*c["command"][1:], *c["args"]])
         assert (ns.device, ns.connect_timeout_s) == (device, 900)
 
@@ -132,7 +132,7 @@ def _commands(tools: Tools) -> list[list[str]]:
     for o in tools.objects(*chart, "--set", "router.toolCallParser=hermes"):
         if o["kind"] == "Deployment":
             out += [c["command"] + c.get("args", []) for c in o["spec"]["template"]["spec"]["containers"]]
-    sts = stage_statefulset(_demo_pipeline(), 0, 1)
+    sts = render(_demo_pipeline(), 0, 1)
     out += [c["command"] + c["args"] for c in sts["spec"]["template"]["spec"]["containers"]]
     for path in DOCKERFILES:
         out += [json.loads(rest) for word, rest in instructions(path) if word == "ENTRYPOINT"]
@@ -350,13 +350,17 @@ try:
     runpy.run_module("pipeserve_operator", run_name="__main__")
 except SystemExit as e:
     assert e.code == 0, e.code
+from pipeserve_operator import spec as spec_model
+from pipeserve_operator.crd import with_defaults
 from pipeserve_operator.resources import stage_statefulset
-print("STS=" + json.dumps(stage_statefulset({_demo_pipeline()!r}, 0, 1), sort_keys=True))
+body = {_demo_pipeline()!r}
+sts = stage_statefulset(body, spec_model.parse(with_defaults(body["spec"])), 0, 1)
+print("STS=" + json.dumps(sts, sort_keys=True))
 """
     r, loaded = _run(code, tmp_path)
     assert "usage: pipeserve-operator" in r.stdout, r.stdout[-2000:]
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("STS=")]
-    assert json.loads(line[4:]) == stage_statefulset(_demo_pipeline(), 0, 1)  # the same as with torch
+    assert json.loads(line[4:]) == render(_demo_pipeline(), 0, 1)  # the same as with torch
     assert "pipeserve.stage_flags" in loaded and "pipeserve.care.restarts" in loaded, loaded
     # Neither the CLI (its other subcommands) nor the local launch side (tests/test_import_graph.py).
     assert not {m for m in loaded if m == "pipeserve.cli" or m.startswith("pipeserve.local")}, loaded

@@ -27,9 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 from chart_support import k8s_tools
+from crd_support import render
 
 from pipeserve.local.launcher import free_port
-from pipeserve_operator.resources import stage_statefulset
 from serving_support import wait_http, wait_until
 
 BIN = Path(sys.executable).parent
@@ -115,7 +115,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 @pytest.mark.slow
 def test_rendered_stage_and_router_commands_serve(llama_dir: Path, tmp_path: Path) -> None:
-    sts = stage_statefulset(_pipeline(), 0, 1)
+    sts = render(_pipeline(), 0, 1)
     assert sts["spec"]["replicas"] == 2
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     master = free_port()

@@ -30,6 +30,8 @@ from k8s_support import (
 )
 from test_operator import cr, group_ready, operator
 
+from pipeserve_operator import spec as spec_model
+from pipeserve_operator.crd import with_defaults
 from pipeserve_operator.kube import Kube, api_client
 from pipeserve_operator.main import make_memo
 from pipeserve_operator.objects import SURGE_ANNOTATION, desired_statefulset, spec_hash
@@ -39,6 +41,11 @@ from pipeserve_operator.writes import RENDERED_ANNOTATION, Writer, rendered_hash
 pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
 
 Probe = Callable[[dict[str, Any]], bool]  # a pod template or a pod → the field is there
+
+
+def _desired(body: dict[str, Any]) -> dict[str, Any]:
+    """Group 0's StatefulSet as the operator wants it (the spec parsed once, as a reconcile does)."""
+    return desired_statefulset(body, spec_model.parse(with_defaults(body["spec"])), 0, 1)
 
 
 def _spec_key(key: str) -> Probe:
@@ -193,7 +200,7 @@ async def test_a_replace_keeps_what_is_not_the_renderings(kmock: kmock.Kubernete
     declare_resources(kmock)
     body = pipeline()
     body["spec"]["priorityClassName"] = "high"
-    stale = desired_statefulset(body, 0, 1)
+    stale = _desired(body)
     stale["metadata"]["labels"]["argocd.argoproj.io/instance"] = "apps"
     stale["metadata"]["annotations"] = {SURGE_ANNOTATION: "true", "note": "kept"}
     stale["metadata"]["finalizers"] = ["example.com/hold"]
@@ -202,7 +209,7 @@ async def test_a_replace_keeps_what_is_not_the_renderings(kmock: kmock.Kubernete
     kmock.objects[STS, NS, "p-g0"] = stale
     del body["spec"]["priorityClassName"]
     writer = Writer(_memo(kmock), body, now=0.0)
-    assert await writer.ensure(desired_statefulset(body, 0, 1), copy.deepcopy(stale))
+    assert await writer.ensure(_desired(body), copy.deepcopy(stale))
     sts = live(kmock, STS)["p-g0"]
     assert "priorityClassName" not in sts["spec"]["template"]["spec"]
     assert sts["spec"]["replicas"] == 0 and sts["metadata"]["finalizers"] == ["example.com/hold"]
@@ -212,7 +219,7 @@ async def test_a_replace_keeps_what_is_not_the_renderings(kmock: kmock.Kubernete
     assert annotations[RENDERED_ANNOTATION] and sts["metadata"]["resourceVersion"] != "7"
     # In step with the rendering: the next tick writes nothing.
     requests = len(list(kmock))
-    assert await Writer(_memo(kmock), body, now=1.0).ensure(desired_statefulset(body, 0, 1), sts)
+    assert await Writer(_memo(kmock), body, now=1.0).ensure(_desired(body), sts)
     assert len(list(kmock)) == requests
 
 
@@ -221,24 +228,24 @@ async def test_a_key_only_an_older_rendering_wrote_is_removed(kmock: kmock.Kuber
     rendering's hash on the object tells, and the replace removes the key."""
     declare_resources(kmock)
     body = pipeline()
-    old = desired_statefulset(body, 0, 1)
+    old = _desired(body)
     old["spec"]["minReadySeconds"] = 10  # what the older version rendered on top
     old["metadata"]["annotations"] = {RENDERED_ANNOTATION: rendered_hash(old)}
     kmock.objects[STS, NS, "p-g0"] = old
-    assert await Writer(_memo(kmock), body, now=0.0).ensure(desired_statefulset(body, 0, 1), old)
+    assert await Writer(_memo(kmock), body, now=0.0).ensure(_desired(body), old)
     assert "minReadySeconds" not in live(kmock, STS)["p-g0"]["spec"]
 
 
 async def test_a_replace_is_preconditioned_on_the_resource_version(kmock: kmock.KubernetesEmulator) -> None:
     declare_resources(kmock)
     body = pipeline()
-    seen = desired_statefulset(body, 0, 1)
+    seen = _desired(body)
     seen["metadata"]["resourceVersion"] = "7"
     kmock.objects[STS, NS, "p-g0"] = seen
     kmock.objects[STS, NS, "p-g0"].patch({"metadata": {"resourceVersion": "8", "labels": {"x": "y"}}})
     body["spec"]["image"] = "pipeserve/stage:v2"
     writer = Writer(_memo(kmock), body, now=0.0)
-    assert await writer.ensure(desired_statefulset(body, 0, 1), seen)  # it exists, not written
+    assert await writer.ensure(_desired(body), seen)  # it exists, not written
     assert writer.conflicts == 1 and not writer.refused
     sts = live(kmock, STS)["p-g0"]
     assert sts["metadata"]["labels"]["x"] == "y"  # the other writer's change was not lost

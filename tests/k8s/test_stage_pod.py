@@ -13,10 +13,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from crd_support import admitted, prune
+from crd_support import render as render_sts
 
 from pipeserve.cli import build_parser
 from pipeserve_operator.crd import spec_schema
-from pipeserve_operator.resources import SpecError, pod_group_name, stage_statefulset
+from pipeserve_operator.resources import SpecError, pod_group_name
 
 K8S = "1.35"
 GROUP_LABELS = {
@@ -38,7 +39,7 @@ def cr(**spec: Any) -> dict[str, Any]:
 
 
 def render(body: dict[str, Any], index: int = 1) -> dict[str, Any]:
-    sts = stage_statefulset(admitted(body), index, 2)
+    sts = render_sts(admitted(body), index, 2)
     kubernetes_validate.validate(sts, K8S, strict=True)
     return sts
 
@@ -98,7 +99,7 @@ def test_connect_timeout_is_the_startup_deadline() -> None:
 @pytest.mark.parametrize("flag", ["device", "connect-timeout-s"])
 def test_flags_derived_from_the_spec_are_refused_in_engine(flag: str) -> None:
     with pytest.raises(SpecError, match=f"engine.{flag}: set by the operator"):
-        stage_statefulset(admitted(cr(engine={flag: "cuda" if flag == "device" else 10})), 0, 1)
+        render_sts(admitted(cr(engine={flag: "cuda" if flag == "device" else 10})), 0, 1)
 
 
 ENV = [
@@ -193,7 +194,7 @@ def test_every_customization_field_reaches_the_pod() -> None:
 )
 def test_names_the_operator_owns_are_refused_naming_the_field(spec: dict, field: str) -> None:
     with pytest.raises(SpecError, match=field.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
-        stage_statefulset(admitted(cr(**spec)), 0, 1)
+        render_sts(admitted(cr(**spec)), 0, 1)
 
 
 def test_a_model_mount_path_is_free_when_the_operator_mounts_no_model() -> None:
