@@ -33,7 +33,7 @@ from pipeserve_kernels.triton_checks import (
 )
 
 # Finite "minus infinity": a fully masked tile then yields exp(-1e30 - m) = 0, never NaN.
-NEG = -1.0e30
+NEG = tl.constexpr(-1.0e30)  # a constexpr: a jit function reads no other global
 
 
 @triton.jit
@@ -44,6 +44,29 @@ def _softcap(s, cap):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _kv_tile(cache, pos, valid, kvh, ds, dmask, BS: tl.constexpr):
+    """K and V of one row at key positions pos [T], kv head kvh: two [T, D_P] tiles in the cache's
+    dtype, 0 where not valid or past D. cache: (k pool, v pool, the row's block table, the pool's
+    3 strides); slot p is at (table[p // BS], p % BS)."""
+    kc_ptr, vc_ptr, table_ptr, c_stride_n, c_stride_b, c_stride_h = cache
+    bid = tl.load(table_ptr + pos // BS, mask=valid, other=0).to(tl.int64)
+    offs = (bid * c_stride_n + (pos % BS) * c_stride_b + kvh * c_stride_h)[:, None] + ds[None, :]
+    kvmask = valid[:, None] & dmask[None, :]
+    return tl.load(kc_ptr + offs, mask=kvmask, other=0.0), tl.load(vc_ptr + offs, mask=kvmask, other=0.0)
+
+
+@triton.jit
+def _online(m_i, s, seen, softcap, HAS_SOFTCAP: tl.constexpr):
+    """One tile of the online softmax over scores s [R, T] (capped, then masked to seen): the new
+    running max [R], the tile's weights [R, T] and alpha [R], the factor rescaling the sums so far."""
+    if HAS_SOFTCAP:
+        s = _softcap(s, softcap)
+    s = tl.where(seen, s, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    return m_new, tl.exp(s - m_new[:, None]), tl.exp(m_i - m_new)
 
 
 @triton.jit
@@ -79,39 +102,37 @@ def _decode_kernel(
     ctx = tl.load(lens_ptr + b)
     gs = tl.arange(0, G_P)
     ds = tl.arange(0, D_P)
-    dmask = ds < D
     heads = kvh * G + gs
-    qmask = (gs < G)[:, None] & dmask[None, :]
+    qmask = (gs < G)[:, None] & (ds < D)[None, :]
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + ds[None, :], mask=qmask, other=0.0)
-    q = q.to(tl.float32) * scale  # [G_P, D_P]
-    m_i = tl.full([G_P], NEG, tl.float32)
-    l_i = tl.zeros([G_P], tl.float32)
-    acc = tl.zeros([G_P, D_P], tl.float32)
     first = 0
     if HAS_WINDOW:  # the query is at ctx - 1: keys ctx - window..ctx - 1
         first = tl.maximum(ctx - window, 0)
+    cache = (kc_ptr, vc_ptr, bt_ptr + b * bt_stride, c_stride_n, c_stride_b, c_stride_h)
+    out = _decode_attend(q.to(tl.float32) * scale, ctx, first, kvh, cache, softcap, D, BS, TILE, HAS_SOFTCAP)
+    optr = out_ptr + b * o_stride_b + heads[:, None] * o_stride_h + ds[None, :]
+    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _decode_attend(q, ctx, first, kvh, cache, softcap, D, BS, TILE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """q [G_P, D_P] (scaled, float32) over keys first..ctx-1 of one row -> [G_P, D_P] float32.
+    cache: (k pool, v pool, the row's block table, the pool's 3 strides)."""
+    ds = tl.arange(0, q.shape[1])
+    m_i = tl.full([q.shape[0]], NEG, tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
     for start in range(first, ctx, TILE):
         toks = start + tl.arange(0, TILE)
         valid = toks < ctx
-        bid = tl.load(bt_ptr + b * bt_stride + toks // BS, mask=valid, other=0).to(tl.int64)
-        base = bid * c_stride_n + (toks % BS) * c_stride_b + kvh * c_stride_h  # [TILE]
-        kvmask = valid[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + base[:, None] + ds[None, :], mask=kvmask, other=0.0).to(tl.float32)
+        k, v = _kv_tile(cache, toks, valid, kvh, ds, ds < D, BS)
         # [G_P, TILE]: G is small (1..8), a broadcast product beats padding a dot to 16 rows.
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        if HAS_SOFTCAP:
-            s = _softcap(s, softcap)
-        s = tl.where(valid[None, :], s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(vc_ptr + base[:, None] + ds[None, :], mask=kvmask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        m_new, p, alpha = _online(m_i, s, valid[None, :], softcap, HAS_SOFTCAP)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    optr = out_ptr + b * o_stride_b + heads[:, None] * o_stride_h + ds[None, :]
-    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=qmask)
+    return acc / l_i[:, None]
 
 
 def _check_cache(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, sizes: dict[str, int]) -> None:
@@ -216,54 +237,74 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     span = tl.program_id(1)
     h = tl.program_id(2)
-    kvh = h // G
     row0 = tl.load(cu_ptr + span)
     length = tl.load(cu_ptr + span + 1) - row0
     if tile * BM < length:
         start = tl.load(start_ptr + span)
         rows = tile * BM + tl.arange(0, BM)
-        rmask = rows < length
         ds = tl.arange(0, D_P)
-        dmask = ds < D
-        qmask = rmask[:, None] & dmask[None, :]
+        qmask = (rows < length)[:, None] & (ds < D)[None, :]
         q = tl.load(q_ptr + (row0 + rows)[:, None] * q_stride_t + h * q_stride_h + ds[None, :], mask=qmask)
         if DOT_F32:
             q = q.to(tl.float32)
-        qpos = start + rows  # [BM] absolute positions; causal: key p visible to query at qpos iff p <= qpos
-        kv_end = start + tl.minimum(length, (tile + 1) * BM)
-        m_i = tl.full([BM], NEG, tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D_P], tl.float32)
         first = 0
         if HAS_WINDOW:  # the tile's first query (start + tile * BM) sees keys from here on
             first = tl.maximum(start + tile * BM - window + 1, 0)
-        for k0 in range(first, kv_end, BN):
-            kpos = k0 + tl.arange(0, BN)
-            kvalid = kpos < kv_end
-            bid = tl.load(bt_ptr + span * bt_stride + kpos // BS, mask=kvalid, other=0).to(tl.int64)
-            base = bid * c_stride_n + (kpos % BS) * c_stride_b + kvh * c_stride_h
-            kvmask = kvalid[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + base[:, None] + ds[None, :], mask=kvmask, other=0.0)
-            v = tl.load(vc_ptr + base[:, None] + ds[None, :], mask=kvmask, other=0.0)
-            if DOT_F32:
-                k, v = k.to(tl.float32), v.to(tl.float32)
-            # ieee: float32 inputs must not be rounded to tf32 (HF-exact greedy); ignored for 16-bit.
-            s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-            if HAS_SOFTCAP:
-                s = _softcap(s, softcap)
-            seen = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :]
-            if HAS_WINDOW:
-                seen = seen & (kpos[None, :] > qpos[:, None] - window)
-            s = tl.where(seen, s, NEG)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
+        kv_end = start + tl.minimum(length, (tile + 1) * BM)
+        cache = (kc_ptr, vc_ptr, bt_ptr + span * bt_stride, c_stride_n, c_stride_b, c_stride_h)
+        # qpos [BM]: absolute positions; causal: key p visible to query at qpos iff p <= qpos
+        out = _prefill_attend(
+            q, start + rows, first, kv_end, h // G, cache, scale, window, softcap, D, BS, BN,
+            DOT_F32, HAS_WINDOW, HAS_SOFTCAP,
+        )  # fmt: skip
         optr = out_ptr + (row0 + rows)[:, None] * o_stride_t + h * o_stride_h + ds[None, :]
         tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _prefill_attend(
+    q, qpos, first, kv_end, kvh, cache, scale, window, softcap, D, BS, BN: tl.constexpr,
+    DOT_F32: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """q [BM, D_P] at positions qpos over keys first..kv_end-1 of one span -> [BM, D_P] float32.
+    cache: (k pool, v pool, the span's block table, the pool's 3 strides)."""
+    ds = tl.arange(0, q.shape[1])
+    m_i = tl.full([q.shape[0]], NEG, tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros(q.shape, tl.float32)
+    for k0 in range(first, kv_end, BN):
+        kpos = k0 + tl.arange(0, BN)
+        kvalid = kpos < kv_end
+        k, v = _kv_tile(cache, kpos, kvalid, kvh, ds, ds < D, BS)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        # ieee: float32 inputs must not be rounded to tf32 (HF-exact greedy); ignored for 16-bit.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+        seen = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :]
+        if HAS_WINDOW:
+            seen = seen & (kpos[None, :] > qpos[:, None] - window)
+        m_new, p, alpha = _online(m_i, s, seen, softcap, HAS_SOFTCAP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    return acc / l_i[:, None]
+
+
+def _check_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    start_pos: torch.Tensor,
+) -> None:
+    op = "paged_attention_prefill"
+    sizes = check_tensor(op, "q", q, ("T", "H", "D"))
+    _check_cache(op, k_cache, v_cache, sizes)
+    check_tensor(op, "block_tables", block_tables, ("S", "max_blocks"), sizes, INDEX_DTYPES)
+    check_tensor(op, "cu_seqlens", cu_seqlens, (sizes["S"] + 1,), sizes, INDEX_DTYPES, unit_last=False)
+    check_tensor(op, "start_pos", start_pos, ("S",), sizes, INDEX_DTYPES, unit_last=False)
+    check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
 
 
 def paged_attention_prefill_varlen(
@@ -285,14 +326,8 @@ def paged_attention_prefill_varlen(
     0..start_pos[s]+len-1 of block_tables[s] (its own keys already stored).
     max_len >= every span's length (sizes the grid without a device sync).
     """
-    op = "paged_attention_prefill"
-    sizes = check_tensor(op, "q", q, ("T", "H", "D"))
-    _check_cache(op, k_cache, v_cache, sizes)
-    check_tensor(op, "block_tables", block_tables, ("S", "max_blocks"), sizes, INDEX_DTYPES)
-    check_tensor(op, "cu_seqlens", cu_seqlens, (sizes["S"] + 1,), sizes, INDEX_DTYPES, unit_last=False)
-    check_tensor(op, "start_pos", start_pos, ("S",), sizes, INDEX_DTYPES, unit_last=False)
-    check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
-    check_attention_options(op, window, softcap)
+    _check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos)
+    check_attention_options("paged_attention_prefill", window, softcap)
     t, heads, d = q.shape
     out = torch.empty((t, heads, d), dtype=q.dtype, device=q.device)
     spans = block_tables.shape[0]
