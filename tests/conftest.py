@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,13 +105,11 @@ def _hf_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@cache
-def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
-    model = _hf_model(path)
-    ids = torch.tensor([prompt])
-    kwargs = {"eos_token_id": None} if ignore_eos else {}
+def _generate(path: str, prompt: Sequence[int], max_new_tokens: int, **kwargs: Any) -> list[int]:
+    """transformers' greedy generate of one prompt (no padding): the new token ids."""
+    ids = torch.tensor([list(prompt)])
     with torch.no_grad():
-        out = model.generate(
+        out = _hf_model(path).generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
@@ -117,7 +117,13 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_e
             pad_token_id=0,
             **kwargs,
         )
-    return tuple(out[0, len(prompt) :].tolist())
+    return out[0, len(prompt) :].tolist()
+
+
+@cache
+def _hf_greedy(path: str, prompt: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
+    kwargs = {"eos_token_id": None} if ignore_eos else {}
+    return tuple(_generate(path, prompt, max_new_tokens, **kwargs))
 
 
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
@@ -162,17 +168,8 @@ def hf_constrained_greedy(
         g = c.compile_grammar(choice_grammar(json.loads(text)))
     else:
         raise ValueError(f"unknown structured kind {kind!r}")
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = _hf_model(str(path)).generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            logits_processor=[xgr.contrib.hf.LogitsProcessor(g)],
-        )
-    return out[0, len(prompt) :].tolist()
+    processor = xgr.contrib.hf.LogitsProcessor(g)
+    return _generate(str(path), prompt, max_new_tokens, logits_processor=[processor])
 
 
 def hf_logits(path: Path, prompt: list[int]) -> torch.Tensor:
