@@ -16,8 +16,8 @@ The measure (`Way`, driven by `sys.settrace` on the router's thread):
   module left, the module entered), each distinct pair once, so a per-token loop (stream <->
   format, one chunk per token) counts once; plus
 * a callback = a call, anywhere in the trace, from a module of a later step into a module of an
-  earlier one (the pair: caller module, callee module; the nearest router frame up the stack is the
-  caller, so a call through a library such as dataclasses.replace keeps its router caller).
+  earlier one (the pair: caller module, callee module; the caller is the nearest frame up the stack
+  in a step module, so a call through an edge module or a library keeps its step caller).
 
 `Way.back_and_forths()` is the union of both kinds of pairs. The strict figure (`strict_returns`)
 counts every return to any router module already left, helpers included, as the first walk did.
@@ -43,20 +43,23 @@ STEPS: dict[str, str] = {
     "errors": "edge",
     "upstream.metrics": "edge",
     "upstream.trace": "edge",
+    "upstream.replicas": "edge",  # the groups' state: health polls, limits, channels, in-flight counts
+    "upstream.groups": "edge",  # one group's state, and which are routable
     "upstream.discovery": "edge",  # the set of groups, followed off the way (discovery, discovery_k8s)
     "upstream.models_file": "edge",
     "api.openapi": "edge",  # the OpenAPI document (openapi, openapi_chat, ...): read at start-up
     # the way
-    "api.protocol": "parse",  # protocol, protocol_fields, protocol_chat
+    "api.protocol": "parse",  # protocol, protocol_fields
     "api.chat_args": "parse",
-    "features.structured": "validate",
-    "features.tools": "validate",
+    "features.structured": "parse",  # the structured-output fields of the body
+    "features.tools": "parse",  # tools, tool_choice and the messages' tool fields; the parser named
     "features.cost": "validate",
     "upstream.fanout": "plan",
-    "upstream.replicas": "pick",
     "upstream.policy": "pick",
-    "upstream.upstream": "stream",
+    "upstream.upstream": "pick",  # a group for each call, the retry rule
+    "upstream.generate": "stream",
     "upstream.serving": "stream",
+    "api.results": "stream",  # what a stream collects per choice; a fan-out folded back
     "http.sse_events": "stream",
     "api.responses": "format",
     "api.chat_output": "format",
@@ -127,12 +130,17 @@ class Way:
         return True
 
     def _call(self, frame: FrameType, module: str) -> None:
+        caller, cr, up = None, None, frame.f_back
+        while up is not None and cr is None:  # the nearest caller of a step: edge frames are transparent
+            caller = _router_module(up)
+            cr, up = (rank(caller) if caller is not None else None), up.f_back
+        self._call_from(caller if cr is not None else None, module)
+
+    def _call_from(self, caller: str | None, module: str) -> None:
+        """A call into `module` from `caller` (a step module, or None: the conductor, the edge)."""
         r = rank(module)
         if r is None:
             return  # an edge module: transparent
-        caller, up = None, frame.f_back
-        while up is not None and caller is None:
-            caller, up = _router_module(up), up.f_back
         cr = rank(caller) if caller is not None else None
         if cr is not None and cr > r and caller is not None:
             self.callbacks.add((caller, module))

@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from pipeserve.router.upstream.groups import GroupState, candidates
 from pipeserve.router.upstream.policy import (
-    GroupState,
     affinity_key,
-    candidates,
     pick,
     pick_least_load,
     pick_prefix_affinity,

@@ -21,39 +21,16 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from pipeserve.router.api.chat_output import ChatOutput
+from pipeserve.router.api.protocol import ChatRequest, CompletionRequest
+from pipeserve.router.api.results import ChoiceResult, TokenLP
 from pipeserve.router.features import echo as prompt_side
 from pipeserve.tokenizer import TokenizerAssets
 
+__all__ = ["ChoiceResult", "Formatter", "TokenLP", "chat_formatter", "completion_formatter", "sse", "usage"]
 MIN_LOGPROB = -9999.0
-
-
-@dataclass
-class TokenLP:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-    offset: int  # characters of the choice's text before this token
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    tokens: list[TokenLP] = field(default_factory=list)  # filled only when logprobs were asked
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)  # generated ids, up to a stop string's token
-    prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_text: str = ""  # echo: the text that comes first
-    prompt_scores: list = field(
-        default_factory=list
-    )  # prompt_logprobs: (logprob, rank, top) of positions 1..
 
 
 def usage(results: list[ChoiceResult]) -> dict:
@@ -238,3 +215,37 @@ class Formatter:
         if self.chat and self.prompt_logprobs is not None and results:  # vLLM: top level for chat
             body["prompt_logprobs"] = self._prompt_logprobs(results[0])
         return body
+
+
+def completion_formatter(
+    req: CompletionRequest, rid: str, model_name: str, tok: TokenizerAssets
+) -> Formatter:
+    """A completion's Formatter: the legacy logprobs shape, echo's prompt side."""
+    return Formatter(
+        False,
+        rid,
+        model_name,
+        tok,
+        req.params.logprobs is not None,
+        req.return_token_ids,
+        req.echo,
+        req.prompt_logprobs,
+        req.params.logprobs or 0,
+    )
+
+
+def chat_formatter(
+    req: ChatRequest, rid: str, model_name: str, tok: TokenizerAssets, output: ChatOutput | None
+) -> Formatter:
+    """A chat completion's Formatter; `output`: the tool-call and reasoning parsers, if any."""
+    fmt = Formatter(
+        True,
+        rid,
+        model_name,
+        tok,
+        req.params.logprobs is not None,
+        req.return_token_ids,
+        prompt_logprobs=req.params.prompt_logprobs,
+    )
+    fmt.output = output
+    return fmt

@@ -37,8 +37,8 @@ from pipeserve.errors import InvalidRequestError
 from pipeserve.request_defaults import load_defaults
 from pipeserve.router import errors
 from pipeserve.router.api.chat_output import ChatOutput
-from pipeserve.router.api.protocol import CompletionRequest, parse_chat, parse_completion
-from pipeserve.router.api.responses import Formatter
+from pipeserve.router.api.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from pipeserve.router.api.responses import Formatter, chat_formatter, completion_formatter
 from pipeserve.router.errors import APIError
 from pipeserve.router.features import structured
 from pipeserve.router.features.cost import check_cost
@@ -58,6 +58,7 @@ from pipeserve.router.upstream.replicas import ReplicaSet
 from pipeserve.router.upstream.serving import Choice, Generation
 from pipeserve.router.upstream.trace import RequestAttributes
 from pipeserve.router.upstream.upstream import Upstream
+from pipeserve.rpc.convert import sampling_to_proto
 from pipeserve.sampling_params import SamplingParams, check_prompt, resolve_max_tokens
 from pipeserve.tokenizer import TokenizerAssets
 
@@ -104,6 +105,8 @@ class Router:
 
     # --- generation ----------------------------------------------------------
     async def completions(self, request: Request) -> Response:
+        """The way, in this order (docs/architecture.md): parse, validate, plan and open (pick a group,
+        stream), format."""
         arrival = time.monotonic()
         self.check_auth(request)
         req = parse_completion(await self.read_json(request), self.defaults)
@@ -113,7 +116,6 @@ class Router:
         try:
             max_len, vocab = self.limits()
             ids = await self._off_loop(lambda: self._prompt_ids(req, max_len))
-            fmt = _completion_formatter(req, self.config.model_name, self.tok)
             params = [
                 self._resolve(
                     x, req.params, "prompt", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
@@ -128,20 +130,20 @@ class Router:
                     p if isinstance(p, str) else self.tok.decode(x)
                     for p, x in zip(req.prompts, ids, strict=True)
                 ]
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            families = fanout.plan(ids, params, req.n, req.best_of, rid, echoed, req.max_tokens_zero)
             try:
                 return await self._generate(
                     request,
-                    fmt,
-                    ids,
+                    lambda: completion_formatter(req, rid, self.config.model_name, self.tok),
+                    (),
+                    families,
                     params,
                     req.stream,
                     req.include_usage,
                     slot,
                     arrival,
                     req.n,
-                    req.best_of,
-                    echoed,
-                    req.max_tokens_zero,
                 )
             except APIError as e:  # a schema stage 0 could not compile names the client's field
                 raise structured.rename(e, req.structured) from None
@@ -156,6 +158,18 @@ class Router:
             for p in req.prompts
         ]
 
+    def _chat_ids(self, req: ChatRequest, max_len: int) -> list[int]:
+        """The messages rendered by the chat template and encoded (their length checked)."""
+        a = req.chat_args
+        text = self.tok.render_chat(
+            req.messages,
+            req.tools.tools,
+            a.add_generation_prompt,
+            a.continue_final_message,
+            a.template_kwargs,
+        )
+        return self.tok.encode_prompt(text, req.add_special_tokens, max_len, "messages")
+
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
         self.check_auth(request)
@@ -165,42 +179,34 @@ class Router:
         slot = self._acquire(req.n, "n")
         try:
             max_len, vocab = self.limits()
-            ids = await self._off_loop(
-                lambda: self.tok.encode_prompt(
-                    self.tok.render_chat(
-                        req.messages,
-                        req.tools.tools,
-                        req.chat_args.add_generation_prompt,
-                        req.chat_args.continue_final_message,
-                        req.chat_args.template_kwargs,
-                    ),
-                    req.add_special_tokens,
-                    max_len,
-                    "messages",
-                )
-            )
+            ids = await self._off_loop(lambda: self._chat_ids(req, max_len))
             note_ignored_tools(request, req.tools, self.tok.chat_template)  # a Warning header
             params = self._resolve(
                 ids, req.params, "messages", req.max_tokens_param, max_len, vocab, req.max_tokens_from_model
             )
             self._check_cost([ids], [params], req.n, req.n, req.max_tokens_param, "prompt_logprobs")
-            fmt = Formatter(
-                True,
-                f"chatcmpl-{uuid.uuid4().hex}",
-                self.config.model_name,
-                self.tok,
-                req.params.logprobs is not None,
-                req.return_token_ids,
-                prompt_logprobs=req.params.prompt_logprobs,
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            tools = (
+                ToolCallOutput(req.tools, self.config.tool_call_parser)
+                if req.tools.choice != "none"
+                else None
             )
-            tools = None
-            if req.tools.choice != "none":
-                tools = ToolCallOutput(req.tools, self.config.tool_call_parser)
+            output = None  # the parsers' view of the text (router/api/chat_output.py)
             if tools is not None or self.config.reasoning_parser is not None:
-                fmt.output = ChatOutput(tools, self.config.reasoning_parser, req.chat_args.template_kwargs)
+                output = ChatOutput(tools, self.config.reasoning_parser, req.chat_args.template_kwargs)
+            families = fanout.plan([ids], [params], req.n, req.n, rid)
             try:
                 return await self._generate(
-                    request, fmt, [ids], [params], req.stream, req.include_usage, slot, arrival, req.n, req.n
+                    request,
+                    lambda: chat_formatter(req, rid, self.config.model_name, self.tok, output),
+                    output.tags if output is not None else None,
+                    families,
+                    [params],
+                    req.stream,
+                    req.include_usage,
+                    slot,
+                    arrival,
+                    req.n,
                 )
             except APIError as e:  # a schema stage 0 could not compile names the client's field
                 raise structured.rename(e, req.structured) from None
@@ -261,75 +267,63 @@ class Router:
     async def _generate(
         self,
         request: Request,
-        fmt: Formatter,
-        prompts: list[list[int]],
+        formatter: Callable[[], Formatter],
+        tags: tuple[str, ...] | None,
+        families: list[list[fanout.Planned]],
         params: list[SamplingParams],
         stream: bool,
         include_usage: bool,
         slot: Slot,
         arrival: float,
         n: int = 1,
-        best_of: int = 1,
-        echoed: list[str] | None = None,
-        drop_output: bool = False,
     ) -> Response:
+        """Every planned call opened (a group picked, the first message read), then the stream, then
+        the response: the Formatter is made only once the streams are open."""
         # The parsers' tags survive detokenization even where the tokenizer marks them special.
-        decode = self.tok.decoder(fmt.output.tags) if fmt.output is not None else self.tok.decode
-        families = [
-            self._family(i, ids, p, n, best_of, fmt.id, arrival, decode)
-            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
-        ]
-        # echo (router/features/echo.py): the prompt side of each choice
-        for i, family in enumerate(families):
-            for c in family:
-                c.result.prompt_text = echoed[i] if echoed is not None else ""
-                c.drop_output = drop_output
-        gen = Generation(families, RequestAttributes(self.config.model_name, params), n)
+        decode = self.tok.decoder(tags) if tags is not None else self.tok.decode
+        opened: list[Choice] = []
+        attributes = RequestAttributes(self.config.model_name, params)
+        try:
+            choices = await until_disconnect(request, self._open(families, decode, arrival, opened))
+        except BaseException:  # one choice failed (or the client left): none of them goes on
+            for c in opened:
+                c.close()
+            groups = [c.group for c in opened if c.group is not None]
+            attributes.ended([c.result for c in opened], groups, sum(c.retries for c in opened))
+            raise
+        gen = Generation(choices, attributes, n)
         if not stream:
             try:
-                results = await until_disconnect(request, self._run(gen))
+                results = await until_disconnect(request, gen.results())
             finally:
                 gen.close()
-            return JSONResponse(fmt.response(results))
-        try:
-            await until_disconnect(request, gen.open())
-        except BaseException:
-            gen.close()
-            raise
+            return JSONResponse(formatter().response(results))
         slot.handed_off = True
 
         def cleanup() -> None:
             gen.close()
             slot.release()
 
-        return SSEResponse(sse_events(gen, fmt, include_usage, self._ending), cleanup)
+        return SSEResponse(sse_events(gen, formatter(), include_usage, self._ending), cleanup)
 
-    def _family(
+    async def _open(
         self,
-        i: int,
-        ids: list[int],
-        p: SamplingParams,
-        n: int,
-        best_of: int,
-        rid: str,
-        arrival: float,
+        families: list[list[fanout.Planned]],
         decode: Callable[[list[int]], str],
-    ) -> list[Choice]:
-        """Prompt i's best_of candidates (router/upstream/fanout.py); only `<rid>-<i>` when n = 1."""
-        if best_of == 1:
-            return [Choice(self.upstream, decode, i, ids, p, f"{rid}-{i}", arrival)]
-        family = []
-        for j in range(best_of):
-            cp = fanout.candidate_params(p, j, best_of, n)
-            c = Choice(self.upstream, decode, i * n + j, ids, cp, f"{rid}-{i}-{j}", arrival)
-            c.counts_prompt = j == 0
-            family.append(c)
-        return family
+        arrival: float,
+        opened: list[Choice],
+    ) -> list[list[Choice]]:
+        """Each family opened, leader first (router/upstream/fanout.py); `opened` collects the
+        choices as they open, for the caller to close if another fails."""
 
-    @staticmethod
-    async def _run(gen: Generation) -> list:
-        await gen.open()
-        return await gen.results()
+        async def open_one(planned: fanout.Planned, prefer: str | None) -> Choice:
+            sampling = sampling_to_proto(planned.params)  # max_tokens already resolved against the prompt
+            stream, first = await self.upstream.open(planned.prompt_ids, sampling, planned.request_id, prefer)
+            choice = Choice(self.upstream.calls, decode, planned, stream, first, arrival)
+            opened.append(choice)
+            return choice
+
+        return await fanout.open_all([fanout.open_family(f, open_one) for f in families])
 
     def end_streams(self) -> None:
         """Every open stream ends now with an error event and `[DONE]` (shutdown: RouterServer calls
@@ -382,17 +376,3 @@ class Router:
                 )
                 raise errors.unavailable(f"probe of group {g.name} failed: {why}")
             return JSONResponse({"status": "ok", "group": g.name, "probe": True})
-
-
-def _completion_formatter(req: CompletionRequest, model_name: str, tok: TokenizerAssets) -> Formatter:
-    return Formatter(
-        False,
-        f"cmpl-{uuid.uuid4().hex}",
-        model_name,
-        tok,
-        req.params.logprobs is not None,
-        req.return_token_ids,
-        req.echo,
-        req.prompt_logprobs,
-        req.params.logprobs or 0,
-    )

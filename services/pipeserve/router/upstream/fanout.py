@@ -18,19 +18,41 @@ Contract (vLLM's and OpenAI's):
   on the leader's group, whatever the routing policy (Upstream.open's `prefer`; the retry rule
   still applies if that group fails).
 * `open_all` runs openers together and, when one fails or it is cancelled, cancels the rest
-  before raising, so no upstream call outlives a failed open.
+  before raising, so no upstream call outlives a failed open (those already open the caller
+  closes: router/http/handlers.py).
+* The plan step of the router's way: `plan` turns the prompts into families of `Planned` calls;
+  `open_family` hands each to the opener the conductor gives (pick a group, then stream), so the
+  fan-out never calls back into a step before it. The fold back is `select`
+  (router/api/results.py, with what the streams collected).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from pipeserve.router.api.responses import ChoiceResult
+from pipeserve.router.api.results import cumulative_logprob, select
 from pipeserve.sampling_fields import MAX_SEED
 from pipeserve.sampling_params import SamplingParams
+
+__all__ = ["Planned", "candidate_params", "cumulative_logprob", "open_all", "open_family", "plan", "select"]
+T = TypeVar("T")
+
+
+@dataclass
+class Planned:
+    """One Generate call of the fan-out: returned choice `index`, its prompt, sampling and request id."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    counts_prompt: bool = True  # False for an n > 1 sibling: its prompt is counted once
+    prompt_text: str = ""  # echo: the prompt side of the choice (router/features/echo.py)
+    drop_output: bool = False  # echo with max_tokens 0: the one token asked is not returned
 
 
 def candidate_params(params: SamplingParams, j: int, best_of: int, n: int) -> SamplingParams:
@@ -46,45 +68,44 @@ def candidate_params(params: SamplingParams, j: int, best_of: int, n: int) -> Sa
     return dataclasses.replace(params, **changes) if changes else params
 
 
-def cumulative_logprob(r: ChoiceResult) -> float:
-    return sum(t.logprob for t in r.tokens)
+def plan(
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    n: int,
+    best_of: int,
+    rid: str,
+    echoed: Sequence[str] | None = None,
+    drop_output: bool = False,
+) -> list[list[Planned]]:
+    """Per prompt, its best_of candidates, leader first; only `<rid>-<i>` when best_of = 1."""
+    families = []
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        text = echoed[i] if echoed is not None else ""
+        if best_of == 1:
+            families.append([Planned(i, ids, p, f"{rid}-{i}", True, text, drop_output)])
+            continue
+        candidates = [candidate_params(p, j, best_of, n) for j in range(best_of)]
+        families.append(
+            [
+                Planned(i * n + j, ids, cp, f"{rid}-{i}-{j}", j == 0, text, drop_output)
+                for j, cp in enumerate(candidates)
+            ]
+        )
+    return families
 
 
-def select(families: Sequence[Sequence[ChoiceResult]], n: int) -> list[ChoiceResult]:
-    """The returned results of every family (prompt order), indexed prompt × n + rank, with the
-    prompt's usage on its first returned choice only."""
-    out: list[ChoiceResult] = []
-    for i, members in enumerate(families):
-        leader = members[0]
-        if len(members) > n:  # best_of: rank by cumulative logprob (stable: ties keep their order)
-            kept = sorted(members, key=cumulative_logprob, reverse=True)[:n]
-        else:
-            kept = list(members)
-        for rank, r in enumerate(kept):
-            first = rank == 0
-            out.append(
-                dataclasses.replace(
-                    r,
-                    index=i * n + rank,
-                    prompt_tokens=leader.prompt_tokens if first else 0,
-                    cached_tokens=leader.cached_tokens if first else 0,
-                )
-            )
-    return out
-
-
-async def open_all(openers: Sequence[Coroutine[Any, Any, None]]) -> None:
-    """Run every opener; the first failure (or a cancellation) cancels the others, then raises."""
+async def open_all(openers: Sequence[Awaitable[T]]) -> list[T]:
+    """Run every opener; the first failure (or a cancellation) cancels the others, then raises.
+    Their results, in order."""
     if len(openers) <= 1:
-        for o in openers:
-            await o
-        return
+        return [await o for o in openers]
     tasks = [asyncio.ensure_future(o) for o in openers]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in done:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
     finally:
         pending = [t for t in tasks if not t.done()]
         for t in pending:
@@ -93,10 +114,14 @@ async def open_all(openers: Sequence[Coroutine[Any, Any, None]]) -> None:
             await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def open_family(members: Sequence[Any]) -> None:
-    """The leader first; its siblings once it has its first token, on its group."""
-    leader, siblings = members[0], members[1:]
-    await leader.open()
-    await open_all([m.open(prefer=leader.group) for m in siblings])
-    for m in siblings:  # the prompt side is the leader's (siblings do not score the prompt)
-        m.result.prompt_scores = leader.result.prompt_scores
+async def open_family(
+    members: Sequence[Planned], open_one: Callable[[Planned, str | None], Awaitable[Any]]
+) -> list:
+    """The leader first; its siblings once it has its first token, on its group (`open_one(member,
+    prefer)` picks a group, `prefer` first, and returns the opened choice)."""
+    leader_member, siblings = members[0], members[1:]
+    leader = await open_one(leader_member, None)
+    opened = await open_all([open_one(m, leader.group) for m in siblings]) if siblings else []
+    for c in opened:  # the prompt side is the leader's (siblings do not score the prompt)
+        c.result.prompt_scores = leader.result.prompt_scores
+    return [leader, *opened]

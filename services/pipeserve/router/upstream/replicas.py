@@ -47,8 +47,8 @@ from pipeserve.config import RouterConfig
 from pipeserve.errors import ConfigError
 from pipeserve.lifecycle import ProcessPhase
 from pipeserve.router.upstream import policy
+from pipeserve.router.upstream.groups import GroupState, candidates
 from pipeserve.router.upstream.metrics import GroupMetrics
-from pipeserve.router.upstream.policy import GroupState
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 
@@ -259,7 +259,7 @@ class ReplicaSet:
 
     # --- routing -------------------------------------------------------------
     def ready_groups(self, exclude: Sequence[str] = ()) -> list[GroupState]:
-        return policy.candidates(self.groups.values(), exclude)
+        return candidates(self.groups.values(), exclude)
 
     def pick(self, prompt_ids: Sequence[int], exclude: Sequence[str] = ()) -> GroupState | None:
         groups = self.ready_groups(exclude)

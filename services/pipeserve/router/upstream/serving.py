@@ -1,20 +1,19 @@
 """One generation request: its choices, their upstream streams, and how they end.
 
-A `Choice` is one prompt: an upstream Generate stream (opened with the retry
-rule), fed token by token through a TextStream (detokenizer + stop strings;
-`decode` is the tokenizer's, keeping the tags a chat parser reads).
+A `Choice` is one prompt's Generate call once open (router/upstream/upstream.py picked its group,
+with the retry rule, and read its first message), fed token by token through a TextStream
+(detokenizer + stop strings; `decode` is the tokenizer's, keeping the tags a chat parser reads).
 A stop string ends the choice at the token that completed it and cancels the
 upstream call at once (stage 0 aborts the request and frees its blocks).
 
-A `Generation` is the request: its choices run concurrently. `open()` returns
-once every choice has its first message, so any failure before the first
-token (after the retry rule) is still an ordinary HTTP error. `events()`
-merges the choices' events; `results()` runs them to the end. `close()` is
+A `Generation` is the request: its choices, all open (router/upstream/fanout.py opens them, so
+any failure before the first token, after the retry rule, is still an ordinary HTTP error), run
+concurrently. `events()` merges the choices' events; `results()` runs them to the end. `close()` is
 synchronous and idempotent: it cancels every task and upstream call, so it is
 safe from a `finally` running under cancellation (client disconnect).
 
-Invariant: every upstream call a Generation opened is cancelled or finished
-once `close()` has returned.
+Invariant: every upstream call of a Generation's choices is cancelled or finished once `close()`
+has returned.
 """
 
 from __future__ import annotations
@@ -27,14 +26,12 @@ from dataclasses import dataclass
 
 from pipeserve.detokenize import TextStream
 from pipeserve.router import errors
-from pipeserve.router.api.responses import ChoiceResult, TokenLP
+from pipeserve.router.api.results import ChoiceResult, TokenLP, select
 from pipeserve.router.errors import APIError
-from pipeserve.router.upstream import fanout
+from pipeserve.router.upstream.fanout import Planned
+from pipeserve.router.upstream.generate import Calls, GenerateStream, UpstreamFailure
 from pipeserve.router.upstream.trace import RequestAttributes
-from pipeserve.router.upstream.upstream import GenerateStream, Upstream, UpstreamFailure
 from pipeserve.rpc import generation_pb2 as pb
-from pipeserve.rpc.convert import sampling_to_proto
-from pipeserve.sampling_params import SamplingParams
 
 log = logging.getLogger("pipeserve.router")
 
@@ -48,45 +45,41 @@ class ChoiceEvent:
 
 
 class Choice:
+    """One open Generate call (`stream`, `first`: its first message) of the fan-out's `planned`."""
+
     def __init__(
         self,
-        upstream: Upstream,
+        calls: Calls,
         decode: Callable[[list[int]], str],
-        index: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
+        planned: Planned,
+        stream: GenerateStream,
+        first: pb.GenerateResponse,
         arrival: float,
     ) -> None:
-        self.upstream = upstream
-        self.index = index
-        self.prompt_ids = prompt_ids
-        self.sampling = sampling_to_proto(params)  # max_tokens already resolved against the prompt
-        self.request_id = request_id
+        params, ids = planned.params, planned.prompt_ids
+        self.calls = calls
+        self.index = planned.index
+        self.prompt_ids = ids
+        self.request_id = planned.request_id
         self.arrival = arrival
         self.keep_logprobs = params.logprobs is not None
         self.text = TextStream(decode, params.stop, params.min_tokens)
-        self.result = ChoiceResult(index, prompt_tokens=len(prompt_ids), prompt_token_ids=list(prompt_ids))
-        self._stream: GenerateStream | None = None
-        self._first: pb.GenerateResponse | None = None
-        self.group: str | None = None  # where it runs, once open (traces)
-        self.retries = 0
-        self._last_at: float | None = None
-        self.counts_prompt = True  # False for an n > 1 sibling: its prompt is counted once (fanout)
-        self.drop_output = False  # echo with max_tokens 0: the one token asked is not returned
-
-    async def open(self, prefer: str | None = None) -> None:
-        self._stream, self._first = await self.upstream.open(
-            self.prompt_ids, self.sampling, self.request_id, prefer
+        self.result = ChoiceResult(
+            self.index, prompt_tokens=len(ids), prompt_token_ids=list(ids), prompt_text=planned.prompt_text
         )
-        self.group, self.retries = self._stream.group, self._stream.retries
+        self._stream: GenerateStream | None = stream
+        self._first: pb.GenerateResponse | None = first
+        self.group, self.retries = stream.group, stream.retries  # where it runs (traces)
+        self._last_at: float | None = None
+        self.counts_prompt = planned.counts_prompt  # an n > 1 sibling's prompt is counted once
+        self.drop_output = planned.drop_output  # echo with max_tokens 0: the one token is not returned
         self.result.prompt_scores = [
-            (p.logprob, p.rank, [(t.token_id, t.logprob) for t in p.top]) for p in self._first.prompt_logprobs
+            (p.logprob, p.rank, [(t.token_id, t.logprob) for t in p.top]) for p in first.prompt_logprobs
         ]
-        m = self.upstream.metrics
-        m.ttft.observe(time.monotonic() - self.arrival)
+        m = calls.metrics
+        m.ttft.observe(time.monotonic() - arrival)
         if self.counts_prompt:
-            m.prompt_tokens.inc(len(self.prompt_ids))
+            m.prompt_tokens.inc(len(ids))
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """The choice's events up to the one with finish_reason; raises APIError if the stream fails."""
@@ -100,13 +93,13 @@ class Choice:
                 try:
                     msg = await self._stream.next()
                 except UpstreamFailure as f:
-                    raise self.upstream.failed_mid_stream(f, self.request_id) from None
+                    raise self.calls.failed_mid_stream(f, self.request_id) from None
         finally:
             self.close()
 
     def _consume(self, msg: pb.GenerateResponse) -> ChoiceEvent:
         now = time.monotonic()
-        m = self.upstream.metrics
+        m = self.calls.metrics
         n = len(msg.token_ids)
         if self._last_at is not None and n:
             gap = (now - self._last_at) / n
@@ -158,8 +151,8 @@ _DONE = object()
 
 
 class Generation:
-    """`families`: per prompt, its n (or best_of) candidates, leader first (router/upstream/fanout.py);
-    `n`: choices returned per prompt."""
+    """`families`: per prompt, its n (or best_of) open candidates, leader first
+    (router/upstream/fanout.py); `n`: choices returned per prompt."""
 
     def __init__(
         self,
@@ -173,16 +166,9 @@ class Generation:
         self.attributes = attributes  # the request span's usage attributes, set once on close()
         self._tasks: list[asyncio.Task] = []
 
-    async def open(self) -> None:
-        try:
-            await fanout.open_all([fanout.open_family(f) for f in self.families])
-        except BaseException:  # one choice failed (or the client left): none of them goes on
-            self.close()
-            raise
-
     def selected(self) -> list[ChoiceResult]:
         """The results returned to the client (best_of's best n), usage counted as vLLM does."""
-        return fanout.select([[c.result for c in f] for f in self.families], self.n)
+        return select([[c.result for c in f] for f in self.families], self.n)
 
     async def events(self) -> AsyncIterator[tuple[Choice, ChoiceEvent]]:
         if len(self.choices) == 1:
