@@ -1,6 +1,6 @@
 """A completion's way through the router: its back-and-forths between steps (issue 30, point 4).
 
-    .venv/bin/python benchmarks/router_walk.py [--stream] [--chat]
+    .venv/bin/python benchmarks/router_walk.py [--stream] [--chat | --tools]
 
 One /v1/completions (or /v1/chat/completions) request, max_tokens 4, is sent to a router on a
 scripted stage 0 (tests/router_support.py: real gRPC, real uvicorn, the demo model's tokenizer);
@@ -36,9 +36,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stream", action="store_true", help="a streamed request")
     ap.add_argument("--chat", action="store_true", help="a chat completion instead")
+    ap.add_argument("--tools", action="store_true", help="chat with a tool, the hermes tool-call parser")
     args = ap.parse_args()
-    way = measure(args.stream, args.chat)
-    kind = "chat" if args.chat else "completion"
+    way = measure(args.stream, args.chat or args.tools, tools=args.tools)
+    kind = "chat with tools" if args.tools else "chat" if args.chat else "completion"
     print(f"{kind} (stream={args.stream}): {len(way.modules)} module steps")
     print(f"strict: returns to a module already left: {strict_returns(way.modules)}")
     both = way.back_and_forths()

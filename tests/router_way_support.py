@@ -53,6 +53,7 @@ STEPS: dict[str, str] = {
     "api.chat_args": "parse",
     "features.structured": "parse",  # the structured-output fields of the body
     "features.tools": "parse",  # tools, tool_choice and the messages' tool fields; the parser named
+    "features.tool_output": "format",  # the tool calls in the response
     "features.cost": "validate",
     "upstream.fanout": "plan",
     "upstream.policy": "pick",
@@ -176,9 +177,12 @@ class Way:
         return merged([step_of(m) or "?" for m in self.way])
 
 
-def measure(stream: bool = False, chat: bool = False, model_dir: Path | None = None) -> Way:
+def measure(
+    stream: bool = False, chat: bool = False, model_dir: Path | None = None, tools: bool = False
+) -> Way:
     """The way of one request (max_tokens 4) through a router on a scripted stage 0 (real gRPC,
-    real uvicorn, the demo model's tokenizer); `model_dir`: an existing demo model (else a new one)."""
+    real uvicorn, the demo model's tokenizer); `model_dir`: an existing demo model (else a new one);
+    `tools`: a chat with a tool and the hermes tool-call parser (its output parsed as tokens come)."""
     from pipeserve.model.demo import write_demo_model
     from pipeserve.model.demo_spec import DemoSpec
     from pipeserve.tokenizer import TokenizerAssets
@@ -192,10 +196,13 @@ def measure(stream: bool = False, chat: bool = False, model_dir: Path | None = N
         threading.settrace(way.trace)  # the harness's thread starts after this
         try:
             # health polls every 60 s: none run during the request, only its own way is traced
-            with RouterHarness(model, {"g0": stage}, health_interval_s=60.0) as h:
+            parser = {"tool_call_parser": "hermes"} if tools else {}
+            with RouterHarness(model, {"g0": stage}, health_interval_s=60.0, **parser) as h:
                 body: dict[str, Any] = {"max_tokens": 4, "stream": stream}
                 if chat:
                     body["messages"] = [{"role": "user", "content": "hello there"}]
+                    if tools:
+                        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
                 else:
                     body["prompt"] = "hello there"
                 path = "/v1/chat/completions" if chat else "/v1/completions"

@@ -16,8 +16,9 @@ from pipeserve.config import REASONING_PARSERS as REASONING_CHOICES
 from pipeserve.config import TOOL_CALL_PARSERS, RouterConfig
 from pipeserve.errors import ConfigError
 from pipeserve.router.features.reasoning import REASONING_PARSERS, ReasoningSplitter, split
+from pipeserve.router.features.tool_output import ToolCallOutput
 from pipeserve.router.features.tool_parsers import PARSERS, Text, merge
-from pipeserve.router.features.tools import ToolCallOutput, parse_tools
+from pipeserve.router.features.tools import parse_tools
 
 WEATHER = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ("get_time", '{"tz": "Europe/Paris"}')

@@ -2,8 +2,8 @@
 
 tests/router_way_support.py traces one completion through a router on a scripted stage 0 and
 measures its back-and-forths (the definition is there and in docs/architecture.md). The goal is at
-most 5; today a blocking completion has none and a streamed one only its per-token loop (format,
-then stream again for the next token).
+most 5; today a blocking completion has none and a streamed one (a chat with tools too) only its
+per-token loop (format, then stream again for the next token).
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from router_way_support import ORDER, STEPS, Way, measure, step_of
 ROUTER = Path(__file__).resolve().parents[2] / "services" / "pipeserve" / "router"
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streamed"])
-def test_a_completion_goes_through_the_steps_in_order(llama_dir: Path, stream: bool) -> None:
-    way = measure(stream, model_dir=llama_dir)
+@pytest.mark.parametrize(
+    ("stream", "tools"),
+    [(False, False), (True, False), (True, True)],
+    ids=["blocking", "streamed", "chat-tools-streamed"],
+)
+def test_a_completion_goes_through_the_steps_in_order(llama_dir: Path, stream: bool, tools: bool) -> None:
+    """A completion, blocking and streamed; a streamed chat with a tool and the hermes parser."""
+    way = measure(stream, chat=tools, model_dir=llama_dir, tools=tools)
     assert len(way.back_and_forths()) <= 5, f"the router's way goes back: {sorted(way.back_and_forths())}"
     assert way.callbacks == set(), f"a later step calls an earlier one: {sorted(way.callbacks)}"
     steps = way.steps()

@@ -18,7 +18,19 @@ from __future__ import annotations
 from typing import Any
 
 from pipeserve.router.features.reasoning import REASONING_PARSERS, ReasoningSplitter, split
-from pipeserve.router.features.tools import ToolCallOutput
+from pipeserve.router.features.tool_output import ToolCallOutput
+from pipeserve.router.features.tool_parsers import PARSERS
+
+TOOL_CHOICES = ("none", "auto", "required", "function")
+
+
+def kept_tags(reasoning: str | None, tool_parser: str | None, tool_choice: str) -> tuple[str, ...]:
+    """Text the detokenizer must keep for these parsers (even where the tokenizer marks it special):
+    the reasoning parser's tags, and the tool-call parser's under tool_choice auto. Known from the
+    configuration, so the router computes it once, before any output."""
+    fmt = REASONING_PARSERS[reasoning] if reasoning is not None else None
+    tools = PARSERS[tool_parser].tags if tool_parser is not None and tool_choice == "auto" else ()
+    return (fmt.tags if fmt is not None else ()) + tools
 
 
 class ChatOutput:
@@ -28,8 +40,8 @@ class ChatOutput:
         fmt = REASONING_PARSERS[reasoning] if reasoning is not None else None
         self.thinking = fmt is not None and fmt.thinking(template_kwargs)
         self._splitters: dict[int, ReasoningSplitter] = {}
-        tags = (fmt.tags if fmt is not None else ()) + (tools.tags if tools is not None else ())
-        self.tags: tuple[str, ...] = tags  # text the detokenizer keeps (router/http/handlers.py)
+        parser, choice = (tools.parser, tools.spec.choice) if tools is not None else (None, "none")
+        self.tags = kept_tags(reasoning, parser, choice)  # text the detokenizer keeps
 
     def _content(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         if self.tools is not None:

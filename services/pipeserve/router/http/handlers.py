@@ -36,13 +36,14 @@ from pipeserve.config import RouterConfig
 from pipeserve.errors import InvalidRequestError
 from pipeserve.request_defaults import load_defaults
 from pipeserve.router import errors
-from pipeserve.router.api.chat_output import ChatOutput
+from pipeserve.router.api.chat_output import TOOL_CHOICES, ChatOutput, kept_tags
 from pipeserve.router.api.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from pipeserve.router.api.responses import Formatter, chat_formatter, completion_formatter
 from pipeserve.router.errors import APIError
 from pipeserve.router.features import structured
 from pipeserve.router.features.cost import check_cost
-from pipeserve.router.features.tools import ToolCallOutput, check_parser, note_ignored_tools
+from pipeserve.router.features.tool_output import ToolCallOutput
+from pipeserve.router.features.tools import check_parser, note_ignored_tools
 from pipeserve.router.http.edge import (
     Admission,
     Slot,
@@ -83,6 +84,11 @@ class Router:
         self.upstream = Upstream(replicas, config, self.metrics)
         self.admission = Admission(config.max_concurrency, self.metrics.in_flight)
         self.created = int(time.time())
+        # The text the detokenizer keeps for the parsers, per tool_choice (known before any output).
+        self._kept_tags = {
+            choice: kept_tags(config.reasoning_parser, config.tool_call_parser, choice)
+            for choice in TOOL_CHOICES
+        }
         self._probe_lock = asyncio.Lock()
         self._ending = asyncio.Event()  # shutdown: open streams end now (end_streams)
 
@@ -158,6 +164,15 @@ class Router:
             for p in req.prompts
         ]
 
+    def _output(self, req: ChatRequest) -> ChatOutput | None:
+        """The parsers' view of a chat choice's text (router/api/chat_output.py), made with the
+        Formatter: reasoning, content and tool calls."""
+        c = self.config
+        tools = ToolCallOutput(req.tools, c.tool_call_parser) if req.tools.choice != "none" else None
+        if tools is None and c.reasoning_parser is None:
+            return None
+        return ChatOutput(tools, c.reasoning_parser, req.chat_args.template_kwargs)
+
     def _chat_ids(self, req: ChatRequest, max_len: int) -> list[int]:
         """The messages rendered by the chat template and encoded (their length checked)."""
         a = req.chat_args
@@ -186,20 +201,13 @@ class Router:
             )
             self._check_cost([ids], [params], req.n, req.n, req.max_tokens_param, "prompt_logprobs")
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            tools = (
-                ToolCallOutput(req.tools, self.config.tool_call_parser)
-                if req.tools.choice != "none"
-                else None
-            )
-            output = None  # the parsers' view of the text (router/api/chat_output.py)
-            if tools is not None or self.config.reasoning_parser is not None:
-                output = ChatOutput(tools, self.config.reasoning_parser, req.chat_args.template_kwargs)
+            parsed = req.tools.choice != "none" or self.config.reasoning_parser is not None
             families = fanout.plan([ids], [params], req.n, req.n, rid)
             try:
                 return await self._generate(
                     request,
-                    lambda: chat_formatter(req, rid, self.config.model_name, self.tok, output),
-                    output.tags if output is not None else None,
+                    lambda: chat_formatter(req, rid, self.config.model_name, self.tok, self._output(req)),
+                    self._kept_tags[req.tools.choice] if parsed else None,
                     families,
                     [params],
                     req.stream,
