@@ -49,6 +49,10 @@ class L3Directory(Protocol):
     def deadline_ms(self, blocks: int) -> int:
         """The time each stage gets to load `blocks` pages."""
 
+    def load_ended(self, status: str) -> None:
+        """How the group's last L3 load ended ("ok" or the first failing stage's answer): a stage
+        that could not reach Redis in time ("unavailable", "late") pauses the loads for a backoff."""
+
     def close(self) -> None: ...
 
 
@@ -123,6 +127,8 @@ class PrefixFetch:
             if self.writes is not None:
                 self.writes.note_known(load.order.block_hashes)
         self.stats.load_seconds.observe(time.monotonic() - load.issued)
+        if self.l3 is not None:
+            self.l3.load_ended(status)
         return load
 
     @staticmethod

@@ -10,6 +10,15 @@ Redis down, slow or refusing: the probe is answered 0 (a miss), the state
 change is logged once, and Redis is left alone for a backoff (doubling from
 `backoff_s` up to `backoff_max_s`); the next probe after it tries again, and
 redis-py reconnects by itself. L3 may only ever cost misses.
+
+Stage 0 reaching Redis does not mean every stage does: a follower cut off from
+Redis (or too slow for the deadline) answers its loads "unavailable" or "late",
+and each request that was ordered such a load waited for nothing. So a load
+that ends so pauses the loads the same way: probes are answered 0 for a backoff
+of its own (doubling while loads keep failing, back to `backoff_s` after a load
+that every stage answered "ok"); the first load after it tries again. A data
+error (a missing page, a bad checksum) is the page's fault, not the tier's: it
+pauses nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +67,11 @@ class RedisDirectory:
         self._backoff_max_s = backoff_max_s
         self._delay = backoff_s
         self._retry_at = 0.0
+        # The group's loads: paused until _loads_at after a stage could not load in time.
+        self.loads_paused = False
+        self.paused_probes = 0  # questions answered 0 because loads were paused (no Redis round trip)
+        self._load_delay = backoff_s
+        self._loads_at = 0.0
         self._questions: queue.SimpleQueue[tuple[str, list[int]] | None] = queue.SimpleQueue()
         self._answers: list[tuple[str, int]] = []
         self._lock = threading.Lock()
@@ -80,6 +94,26 @@ class RedisDirectory:
 
     def deadline_ms(self, blocks: int) -> int:
         return self.deadline(blocks)
+
+    def load_ended(self, status: str) -> None:
+        with self._lock:
+            if status == "ok":
+                if self.loads_paused:
+                    log.info("L3 loads succeed on every stage again")
+                self.loads_paused, self._load_delay = False, self._backoff_s
+            elif status in ("unavailable", "late"):
+                now = time.monotonic()
+                if self.loads_paused and now < self._loads_at:
+                    return  # a load ordered before the pause began: the same failure, told again
+                if not self.loads_paused:
+                    log.warning(
+                        "L3 load answered %r by a stage: loads paused for %.1f s (the group recomputes)",
+                        status,
+                        self._load_delay,
+                    )
+                self.loads_paused = True
+                self._loads_at = now + self._load_delay
+                self._load_delay = min(self._load_delay * 2, self._backoff_max_s)
 
     def close(self) -> None:
         self._questions.put(None)
@@ -107,7 +141,10 @@ class RedisDirectory:
 
     def _present(self, chains: list[list[int]]) -> list[int]:
         now = time.monotonic()
-        if not self.available and now < self._retry_at:
+        with self._lock:
+            paused = self.loads_paused and now < self._loads_at
+            self.paused_probes += len(chains) if paused else 0
+        if paused or (not self.available and now < self._retry_at):
             return [0] * len(chains)
         try:
             found = self.tier.present_many(self.layouts, chains)
