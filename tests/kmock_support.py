@@ -24,6 +24,11 @@ kmock stores objects and merges every PATCH into them; it knows neither resource
   directly (assigned, `.patch()`, `.create()`, `.delete()`, `del`) is sent too, by a task that scans
   the store every `SCAN_S` (loop time) for versions no event announced yet. A watch is marked on
   the event bus before it lists, so no event falls between its listing and its stream.
+* Watch bookmarks: every `BOOKMARK_S` (loop time) a BOOKMARK event (the current resourceVersion) on
+  every watch that asked for them (`allowWatchBookmarks`, as kopf does), as the API server's watch
+  cache sends them: without them kopf takes a quiet stream for a dead one and re-opens it after its
+  `inactivity_timeout` (70 s), and a re-opened stream lists every object again as ADDED (the emulator
+  ignores the `resourceVersion` a watch resumes from).
 
 Objects a test puts into `objects` directly keep the resourceVersion they were given (or none): a
 replace that names it (or none) still matches.
@@ -46,6 +51,7 @@ from kmock._internal import aiobus, k8s, rendering
 
 REASONS = {400: "BadRequest", 403: "Forbidden", 409: "Conflict", 422: "Invalid"}
 SCAN_S = 0.05
+BOOKMARK_S = 30.0  # under kopf's 70 s inactivity timeout (the API server sends one at least a minute)
 Key = tuple[Any, Any, Any]  # (resource, namespace, name), as kmock's `objects` keys them
 
 
@@ -80,6 +86,7 @@ class ApiServer(k8s.KubernetesEmulator):
     # key → (the history length last announced by an event, the body it announced)
     _seen: dict[Key, tuple[int, Any]] = attrs.field(factory=dict, init=False)
     _scanner: asyncio.Task[None] | None = attrs.field(default=None, init=False)
+    _last_version: str = attrs.field(default="0", init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -99,10 +106,24 @@ class ApiServer(k8s.KubernetesEmulator):
             self._seen[key] = (len(obj.history), None if obj.deleted else obj.raw)
 
     async def _scan_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        bookmark_at = loop.time() + BOOKMARK_S
         while True:
             await asyncio.sleep(SCAN_S)
             async with self._lock:
                 await self._scan()
+                if loop.time() >= bookmark_at:
+                    bookmark_at = loop.time() + BOOKMARK_S
+                    await self._bookmark()
+
+    async def _bookmark(self) -> None:
+        """A BOOKMARK on every watched resource's stream (the lock is held): the current resourceVersion,
+        no object. A watch with allowWatchBookmarks gets it; a quiet stream then stays open, as on a
+        real API server (kopf re-opens a stream that said nothing for 70 s)."""
+        for resource, bus in list(self._buses.items()):
+            meta = {"resourceVersion": self._last_version}
+            kind = str(getattr(resource, "plural", ""))
+            await bus.put({"type": "BOOKMARK", "object": {"kind": kind, "metadata": meta}})
 
     async def _scan(self) -> None:
         """Send the events of the changes made to the store directly (the lock is held)."""
@@ -137,7 +158,12 @@ class ApiServer(k8s.KubernetesEmulator):
         try:
             for event in listed:
                 yield event
+            bookmarks = request.params.get("allowWatchBookmarks") in ("true", "1")
             async for event in bus.stream(since=mark):
+                if event.get("type") == "BOOKMARK":
+                    if bookmarks:
+                        yield event
+                    continue
                 meta = (event.get("object") or {}).get("metadata") or {}
                 check = self._KubernetesEmulator__check
                 if check(request, request.resource, meta.get("namespace"), meta.get("name"), strict=False):
@@ -146,7 +172,8 @@ class ApiServer(k8s.KubernetesEmulator):
             await bus.unmark(mark)
 
     def _next_version(self) -> str:
-        return str(next(self._versions))
+        self._last_version = str(next(self._versions))
+        return self._last_version
 
     def _refusal(self, request: rendering.Request) -> k8s.KubernetesError | None:
         if request.resource is None or request.method not in ("POST", "PATCH", "PUT"):

@@ -10,7 +10,7 @@
 * `start_loop` (`@kopf.on.startup`) starts `run_loop`, which waits (with a deadline) for the first
   wake-up (kopf's indexes are then populated), then reconciles (`supervise.tick`), one after another
   (an error in one is logged and does not stop the others):
-  - every pipeline woken since the last pass;
+  - every pipeline woken since the last pass (one woken during a pass goes next, before the rest);
   - every TICK_S, the pipelines with something in flight (`_in_flight`: not Ready, a write refused
     and backed off, a drain or a pod Terminating): their timers (startup deadlines, restart backoff,
     drain_s, stuck pods) run on the clock, not on events;
@@ -51,8 +51,9 @@ def pipelines(body: Any, namespace: Any, name: Any, **_: Any) -> dict[tuple[str,
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, id="wake_pipeline")
-def wake_pipeline(memo: Any, namespace: Any, name: Any, **_: Any) -> None:
-    memo.wakes.wake((namespace, name))
+def wake_pipeline(memo: Any, body: Any, namespace: Any, name: Any, type: Any, **_: Any) -> None:
+    if memo.wakes.changed("InferencePipeline", body, type):  # a replayed pipeline wakes nothing
+        memo.wakes.wake((namespace, name))
 
 
 def _in_flight(memo: Any, pipeline: dict[str, Any], status: dict[str, Any]) -> bool:
@@ -104,11 +105,17 @@ async def run_loop(memo: Any, index: Any) -> None:
             del memo.statuses[uid]  # a deleted pipeline (a new one of the same name has another uid)
         for uid in set(memo.refusals) - live:
             del memo.refusals[uid]
-        for key in sorted(due):
+        queue = sorted(due)
+        while queue:
+            key = queue.pop(0)
             if await _reconcile(memo, index, key):
                 busy.add(key)
             else:
                 busy.discard(key)
+            # A pipeline woken meanwhile goes before the rest of a resync or a tick's batch: a deleted
+            # Service waits for one reconcile, not for every pipeline's.
+            woken = memo.wakes.take()
+            queue = sorted(woken) + [k for k in queue if k not in woken]
         wake_at = min(resync_at, tick_at if busy else math.inf)
         await memo.wakes.wait(wake_at - loop.time())
 

@@ -20,13 +20,17 @@
   pipeline due: the reconcile loop (handlers.py) waits on `Wakeups` with a deadline, so a deleted
   Service or a hand-edited NetworkPolicy is put back within one pass, not at the next resync. kopf
   calls event handlers only once every index is populated and after the event's own index update, so
-  the first wake-up also says the indexes are complete (`Wakeups.ready`).
+  the first wake-up also says the indexes are complete (`Wakeups.ready`). An event that carries an
+  object as the last one did (a re-opened watch or a new listing replaying everything as ADDED)
+  wakes nothing (`Wakeups.changed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
+import json
 from typing import Any
 
 import kopf
@@ -143,6 +147,27 @@ class Wakeups:
         self.due: set[Key] = set()
         self.ready = asyncio.Event()  # set by the first wake-up: kopf's indexes are populated
         self._event = asyncio.Event()
+        # (kind, namespace, name) -> the version of the object the last event carried
+        self._versions: dict[tuple[str, str, str], bytes] = {}
+
+    def changed(self, kind: str, body: Any, event: str | None) -> bool:
+        """Whether a watch event brings something new: False for an object delivered again as it was
+        (a watch re-opened or a listing repeated: kopf lists again after a 410 Gone, and replays every
+        object as ADDED; waking every pipeline for that would delay the one whose object did change).
+        Compared: a digest of the whole body, its resourceVersion included (on a real API server the
+        version alone would do; the emulator's store, changed directly by a test or the simulated
+        controller, keeps the version a changed object had)."""
+        meta = body.get("metadata") or {}
+        key = (kind, meta.get("namespace") or "", meta.get("name") or "")
+        if event == "DELETED":
+            self._versions.pop(key, None)
+            return True
+        text = json.dumps(dict(body), sort_keys=True, default=str).encode()  # kopf.Body: a mapping view
+        version = hashlib.blake2b(text, digest_size=16).digest()
+        if self._versions.get(key) == version:
+            return False
+        self._versions[key] = version
+        return True
 
     def wake(self, key: Key) -> None:
         self.due.add(key)
@@ -172,7 +197,8 @@ def _register(kind: str) -> None:
 
     def event(memo: Any, body: Any, namespace: Any, labels: Any, type: Any, **_: Any) -> None:
         memo.kube.recent.delivered(kind, body, type)
-        memo.wakes.wake((namespace, labels[PIPELINE_LABEL]))
+        if memo.wakes.changed(kind, body, type):
+            memo.wakes.wake((namespace, labels[PIPELINE_LABEL]))
 
     kopf.index(group, version, plural, id=index_id(kind), labels=OWNED_LABELS)(index)
     kopf.on.event(group, version, plural, id=f"wake_{plural}", labels=OWNED_LABELS)(event)

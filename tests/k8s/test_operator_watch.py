@@ -5,7 +5,9 @@
   re-checks it).
 * Steady state: over several resyncs the operator makes no request per pipeline (everything is read
   from kopf's watch-fed indexes, and an unchanged status is not written): 1 and 4 pipelines cost the
-  same, at most one request per pipeline per resync.
+  same, at most one request per pipeline per resync; over 5 quiet minutes no request at all (the
+  emulator's watch bookmarks keep kopf from re-opening quiet streams).
+* A watch replaying objects as they were (a re-open, a new listing) wakes no pipeline.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 from typing import Any
 
 import kmock
@@ -30,6 +33,8 @@ from k8s_support import (
     running,
 )
 from test_operator import operator
+
+from pipeserve_operator import indexes
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
 
@@ -131,3 +136,35 @@ async def kmock_server():
 
     async with ApiServer() as k, kmock.Server(k):
         yield k
+
+
+async def test_a_replayed_watch_wakes_no_pipeline(
+    kmock: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-opened watch (or kopf's new listing after a 410 Gone) delivers every object again as ADDED:
+    the objects are as they were, so no pipeline is woken (at 50 x 4 one replay of the pods woke all 50
+    and a deleted Service waited behind them); a changed object still wakes its pipeline."""
+    woken: list[tuple[str, str]] = []
+    wake = indexes.Wakeups.wake
+    monkeypatch.setattr(indexes.Wakeups, "wake", lambda self, key: (woken.append(key), wake(self, key)))
+    async with settled(kmock, ["p0", "p1"], resync_s=600):
+        woken.clear()
+        replayed = 0
+        for (res, _, _), obj in list(kmock.objects.items()):
+            if not obj.deleted:
+                await kmock._buses[res].put({"type": "ADDED", "object": copy.deepcopy(obj.raw)})
+                replayed += 1
+        await asyncio.sleep(1)
+        assert replayed > 10 and woken == [], woken
+        kmock.objects[NETPOL, NS, "p1-g0"].patch({"spec": {"ingress": [{}]}})  # a change still wakes
+        await eventually(lambda: ("ml", "p1") in woken, timeout=1.0, step=0.05)
+
+
+async def test_quiet_watch_streams_stay_open(kmock: kmock.KubernetesEmulator) -> None:
+    """kopf re-opens a watch stream that said nothing for 70 s; the emulator's bookmarks (as the API
+    server's, at least once a minute) keep the quiet ones (PodGroups, PDBs, a settled fleet) open: a
+    settled operator makes no request at all for minutes, watches included."""
+    async with settled(kmock, ["p"], resync_s=600):
+        start = len(kmock._requests)
+        await asyncio.sleep(300)
+        assert dict(_since(kmock, start)) == {}
