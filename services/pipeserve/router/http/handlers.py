@@ -142,7 +142,7 @@ class Router:
                 return await self._generate(
                     request,
                     lambda: completion_formatter(req, rid, self.config.model_name, self.tok),
-                    (),
+                    None,  # no parser: the tokenizer's own decode
                     families,
                     params,
                     req.stream,
