@@ -34,7 +34,7 @@ from k8s_support import (
 )
 from test_operator import operator
 
-from pipeserve_operator import indexes
+from pipeserve_operator import handlers, indexes
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.looptime]
 
@@ -168,3 +168,29 @@ async def test_quiet_watch_streams_stay_open(kmock: kmock.KubernetesEmulator) ->
         start = len(kmock._requests)
         await asyncio.sleep(300)
         assert dict(_since(kmock, start)) == {}
+
+
+async def test_a_pipeline_woken_during_a_resync_goes_next(
+    kmock: kmock.KubernetesEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resync reconciles every pipeline, one after another; one woken meanwhile (its Service deleted)
+    goes next, not after the whole batch (at 50 pipelines the batch is seconds long)."""
+    order: list[str] = []
+    real = handlers.tick
+
+    async def spy(memo: Any, body: dict, status: dict) -> Any:
+        name = body["metadata"]["name"]
+        order.append(name)
+        if order == ["p0"]:  # the first of a resync's batch: p3 is woken while it runs
+            memo.wakes.wake((NS, "p3"))
+        return await real(memo, body, status)
+
+    names = [f"p{i}" for i in range(5)]
+    async with settled(kmock, names, resync_s=20, replicas=1):
+        await asyncio.sleep(21)  # past the settling pipelines' last resync
+        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(handlers, "tick", spy)
+        end = loop.time() + 25
+        while loop.time() < end and len(order) < 5:
+            await asyncio.sleep(0.5)
+    assert order[:5] == ["p0", "p3", "p1", "p2", "p4"], order  # p3 once, taken out of its turn
