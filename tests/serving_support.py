@@ -98,6 +98,19 @@ def generate(
     return tokens, finish
 
 
+def wait_compilers(health_url: str, timeout_s: float = 120) -> None:
+    """A grammar compiler worker of this stage 0 is warm. The workers start beside the ready stage
+    (its time to Ready does not wait for their imports, 2-30 s of CPU on a loaded machine), and a
+    structured request sent before one is warm waits for it, past a test harness's short deadline
+    to a first message (the product's is 120 s)."""
+
+    def warm() -> bool:
+        text = httpx.get(health_url + "/metrics", timeout=2).text
+        return (metric(text, "pipeserve:grammar_workers") or 0) >= 1
+
+    wait_until(warm, timeout_s, "a grammar compiler worker of stage 0 warm", interval_s=0.2)
+
+
 @contextlib.contextmanager
 def live_group(model_dir: Path, stages: int, log_dir: Path, **serve: object) -> Iterator[GroupSlot]:
     """A group of `stages` live stage processes, ready (every /readyz 200); stopped afterwards."""
@@ -109,6 +122,7 @@ def live_group(model_dir: Path, stages: int, log_dir: Path, **serve: object) -> 
     try:
         for rank in range(stages):
             wait_http(slot.health_url(rank) + "/readyz", 120, alive=lambda: slot.group_exited())
+        wait_compilers(slot.health_url(0))
         yield slot
     finally:
         slot.kill(grace_s=5.0)

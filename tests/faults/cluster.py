@@ -33,7 +33,7 @@ from netns import Hosts
 
 from pipeserve.errors import ExitCode
 from pipeserve.hicache.page import PageError, PageLayout, decode_page
-from serving_support import metric, wait_until
+from serving_support import metric, wait_compilers, wait_until
 
 GRPC, HEALTH, MASTER, ROUTER, REDIS = 50051, 8080, 29500, 8000, 6379
 RING_TIMEOUT_S = 4.0  # a silent peer stops the group after this long
@@ -155,15 +155,8 @@ class Cluster:
         return time.monotonic() - t0
 
     def wait_compilers(self, timeout_s: float = 120) -> None:
-        """Stage 0's grammar compiler workers are up: they start beside the ready stage (its time to
-        Ready does not wait for their imports, 2-30 s of CPU here), and a structured request sent
-        before one is warm waits for it, past this harness's 8 s to a first message."""
-        wait_until(
-            lambda: self.stage0_metric("pipeserve:grammar_workers") >= 1,
-            timeout_s,
-            "a grammar compiler worker of stage 0 warm",
-            interval_s=0.2,
-        )
+        """Stage 0's grammar compiler workers are up (serving_support.wait_compilers)."""
+        wait_compilers(self.health_url("s0"), timeout_s)
 
     def blocks_used(self) -> dict[str, float | None]:
         """KV blocks held by requests: stage 0's pool, and each stage's own count as it reported it
