@@ -59,6 +59,13 @@ def _kv_tile(cache, pos, valid, kvh, ds, dmask, BS: tl.constexpr):
 
 
 @triton.jit
+def _online_start(q):
+    """Before any key, for queries q [R, D_P]: running max [R], running sum [R], weighted values."""
+    rows = tl.zeros([q.shape[0]], tl.float32)
+    return rows + NEG, rows, tl.zeros(q.shape, tl.float32)
+
+
+@triton.jit
 def _online(m_i, s, seen, softcap, HAS_SOFTCAP: tl.constexpr):
     """One tile of the online softmax over scores s [R, T] (capped, then masked to seen): the new
     running max [R], the tile's weights [R, T] and alpha [R], the factor rescaling the sums so far."""
@@ -119,9 +126,7 @@ def _decode_attend(q, ctx, first, kvh, cache, softcap, D, BS, TILE: tl.constexpr
     """q [G_P, D_P] (scaled, float32) over keys first..ctx-1 of one row -> [G_P, D_P] float32.
     cache: (k pool, v pool, the row's block table, the pool's 3 strides)."""
     ds = tl.arange(0, q.shape[1])
-    m_i = tl.full([q.shape[0]], NEG, tl.float32)
-    l_i = tl.zeros([q.shape[0]], tl.float32)
-    acc = tl.zeros(q.shape, tl.float32)
+    m_i, l_i, acc = _online_start(q)
     for start in range(first, ctx, TILE):
         toks = start + tl.arange(0, TILE)
         valid = toks < ctx
@@ -269,9 +274,7 @@ def _prefill_attend(
     """q [BM, D_P] at positions qpos over keys first..kv_end-1 of one span -> [BM, D_P] float32.
     cache: (k pool, v pool, the span's block table, the pool's 3 strides)."""
     ds = tl.arange(0, q.shape[1])
-    m_i = tl.full([q.shape[0]], NEG, tl.float32)
-    l_i = tl.zeros([q.shape[0]], tl.float32)
-    acc = tl.zeros(q.shape, tl.float32)
+    m_i, l_i, acc = _online_start(q)
     for k0 in range(first, kv_end, BN):
         kpos = k0 + tl.arange(0, BN)
         kvalid = kpos < kv_end
