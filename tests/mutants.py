@@ -13,6 +13,8 @@ its snippet in a temporary copy of the tree (the files git tracks, and the untra
 not ignore) and runs its tests there: the checkout is never written, so a run killed midway leaves
 nothing behind. The copy is imported through PYTHONPATH (which every stage process the tests start
 inherits), ahead of the venv's editable install. A mutant reported GREEN is a hole in the tests.
+A mutant whose tests are still running after `--limit-s` (900 s) is killed with them and counted
+RED, as mutation testing counts a timeout: the suite would hang on it too.
 Exit status is the number of GREEN mutants. tests/test_mutants_current.py checks that every
 snippet is still in its file.
 """
@@ -21,6 +23,7 @@ import argparse
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,7 +69,9 @@ def copy_tree(dest: pathlib.Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def run_mutant(path: str, old: str, new: str, tests: str) -> subprocess.CompletedProcess:
+def run_mutant(
+    path: str, old: str, new: str, tests: str, limit_s: float = 900
+) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="pipeserve-mutant-") as tmp:
         tree, imports = pathlib.Path(tmp) / "tree", pathlib.Path(tmp) / "imports"
         copy_tree(tree)
@@ -77,14 +82,24 @@ def run_mutant(path: str, old: str, new: str, tests: str) -> subprocess.Complete
         src = target.read_text()
         assert old in src, (path, old)
         target.write_text(src.replace(old, new, 1))
-        return subprocess.run(
+        proc = subprocess.Popen(
             f"{PYTHON} -m pytest -q -x -p no:cacheprovider {tests}",
             shell=True,
             cwd=tree,
             env={**os.environ, "PYTHONPATH": str(imports)},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # its own process group: a hung run is killed with its children
         )
+        try:
+            out, err = proc.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            # A hang is a failure the suite would show too (CI stops at its limit): killed, it is RED.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)  # its pipes may stay open in a child that left the group: not read
+            return subprocess.CompletedProcess(proc.args, -9, f"hung: killed after {limit_s:g} s", "")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 if __name__ == "__main__":
@@ -92,6 +107,7 @@ if __name__ == "__main__":
     ap.add_argument("index", nargs="*", type=int, help="indices in the whole list (default: all)")
     ap.add_argument("--area", help="only the mutants of tests/mutations/AREA.toml")
     ap.add_argument("-k", dest="words", help="only the mutants whose name holds these words")
+    ap.add_argument("--limit-s", type=float, default=900, help="a mutant's tests still running then: RED")
     args = ap.parse_args()
     chosen = load(args.area)
     if args.index:
@@ -100,7 +116,7 @@ if __name__ == "__main__":
         chosen = [m for m in chosen if args.words.lower() in m[0].lower()]
     green = 0
     for name, path, old, new, tests in chosen:
-        r = run_mutant(path, old, new, tests)
+        r = run_mutant(path, old, new, tests, args.limit_s)
         last = (r.stdout.strip().splitlines() or [r.stderr.strip()[-300:]])[-1]
         print(f"{'RED  ' if r.returncode else 'GREEN'} {name}: {last}", flush=True)
         green += r.returncode == 0
