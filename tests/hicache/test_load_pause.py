@@ -19,6 +19,7 @@ import torch
 from conftest import hf_greedy
 from hicache_support import GREEDY, TIGHT, assert_no_leaks, family_prompts, run_llm, tier_stats
 from pipeserve import LLM
+from pipeserve.hicache.backoff import Backoff
 from pipeserve.hicache.directory import LoadDeadline, RedisDirectory
 from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.redis_tier import RedisTier
@@ -42,6 +43,16 @@ def _found(directory: RedisDirectory, hashes: list[int]) -> int:
     got: list[tuple[str, int]] = []
     wait_until(lambda: bool(got.extend(directory.answers()) or got), 5, "the probe's answer", interval_s=0.01)
     return got[0][1]
+
+
+def test_the_backoff_doubles_per_failure_in_a_row_ignores_repeats_and_resets_on_success() -> None:
+    b = Backoff(1.0, 3.0)
+    assert b.failed(now=0.0) and b.waiting(0.5) and not b.waiting(1.0)  # the base: 1 s
+    assert not b.failed(now=0.5) and not b.waiting(1.0)  # told again within the wait: the same wait
+    assert not b.failed(now=1.0) and b.waiting(2.9) and not b.waiting(3.0)  # the next in a row: 2 s
+    assert not b.failed(now=3.0) and b.waiting(5.9) and not b.waiting(6.0)  # 4 s, capped at 3
+    assert b.succeeded() and not b.down and not b.waiting(6.5) and not b.succeeded()
+    assert b.failed(now=10.0) and not b.waiting(11.0)  # the base again
 
 
 def test_a_failed_load_pauses_probes_and_an_ok_load_resets_the_backoff(server: LocalRedis) -> None:

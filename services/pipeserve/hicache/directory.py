@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pipeserve.hicache.backoff import Backoff
 from pipeserve.hicache.page import PageLayout
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
 
@@ -61,17 +62,10 @@ class RedisDirectory:
         self.layouts = layouts
         self.page_bytes = max(layout.value_bytes for layout in layouts)
         self.deadline = deadline
-        self.available = True
         self.errors = 0
-        self._backoff_s = backoff_s
-        self._backoff_max_s = backoff_max_s
-        self._delay = backoff_s
-        self._retry_at = 0.0
-        # The group's loads: paused until _loads_at after a stage could not load in time.
-        self.loads_paused = False
+        self._redis = Backoff(backoff_s, backoff_max_s)  # stage 0's own calls to Redis
+        self._loads = Backoff(backoff_s, backoff_max_s)  # the group's loads (any stage's answer)
         self.paused_probes = 0  # questions answered 0 because loads were paused (no Redis round trip)
-        self._load_delay = backoff_s
-        self._loads_at = 0.0
         self._questions: queue.SimpleQueue[tuple[str, list[int]] | None] = queue.SimpleQueue()
         self._answers: list[tuple[str, int]] = []
         self._lock = threading.Lock()
@@ -92,28 +86,32 @@ class RedisDirectory:
     def wait(self, timeout_s: float) -> None:
         self._ready.wait(timeout_s)
 
+    @property
+    def available(self) -> bool:
+        """Stage 0's last call to Redis succeeded (or none was tried)."""
+        return not self._redis.down
+
+    @property
+    def loads_paused(self) -> bool:
+        """The last load that ended, ended "unavailable" or "late" on some stage."""
+        return self._loads.down
+
     def deadline_ms(self, blocks: int) -> int:
         return self.deadline(blocks)
 
     def load_ended(self, status: str) -> None:
         with self._lock:
             if status == "ok":
-                if self.loads_paused:
+                if self._loads.succeeded():
                     log.info("L3 loads succeed on every stage again")
-                self.loads_paused, self._load_delay = False, self._backoff_s
             elif status in ("unavailable", "late"):
-                now = time.monotonic()
-                if self.loads_paused and now < self._loads_at:
-                    return  # a load ordered before the pause began: the same failure, told again
-                if not self.loads_paused:
+                wait_s = self._loads.delay_s
+                if self._loads.failed():
                     log.warning(
                         "L3 load answered %r by a stage: loads paused for %.1f s (the group recomputes)",
                         status,
-                        self._load_delay,
+                        wait_s,
                     )
-                self.loads_paused = True
-                self._loads_at = now + self._load_delay
-                self._load_delay = min(self._load_delay * 2, self._backoff_max_s)
 
     def close(self) -> None:
         self._questions.put(None)
@@ -142,23 +140,17 @@ class RedisDirectory:
     def _present(self, chains: list[list[int]]) -> list[int]:
         now = time.monotonic()
         with self._lock:
-            paused = self.loads_paused and now < self._loads_at
+            paused = self._loads.waiting(now)
             self.paused_probes += len(chains) if paused else 0
-        if paused or (not self.available and now < self._retry_at):
+        if paused or self._redis.waiting(now):
             return [0] * len(chains)
         try:
             found = self.tier.present_many(self.layouts, chains)
         except TierUnavailable as e:
             self.errors += 1
-            if self.available:
+            if self._redis.failed(now):
                 log.warning("L3 unavailable (serving on L1/L2; retrying with backoff): %s", e)
-            else:
-                self._delay = min(self._delay * 2, self._backoff_max_s)
-            self.available = False
-            self._retry_at = now + self._delay
             return [0] * len(chains)
-        if not self.available:
+        if self._redis.succeeded():
             log.info("L3 available again at %s", self.tier.url)
-            self.available = True
-            self._delay = self._backoff_s
         return found

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pipeserve.engine.l3_writes import RateCap
+from pipeserve.hicache.backoff import Backoff
 from pipeserve.hicache.page import HEADER_BYTES, PageLayout, page_header
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
 
@@ -76,7 +77,6 @@ class PageWriter:
         self.tier = tier
         self.layout = layout
         self.stats = WriterStats()
-        self.available = True  # the last write succeeded (or none was tried)
         self.slots = max(1, min(max_queue, buffer_bytes // layout.value_bytes))
         # [slots, header + payload] bytes; a slot's payload viewed as the page it holds.
         self._staging = torch.empty(
@@ -91,18 +91,24 @@ class PageWriter:
         self._batch_pages = max(1, batch_bytes // layout.value_bytes)
         # The bucket's depth is the buffer: a burst the buffer took goes out at once, then the rate.
         self._cap = RateCap(rate_bytes_s, self.slots * layout.value_bytes)
-        self._retry_at = 0.0  # while not available: pages are dropped uncopied until then
+        # While Redis is down: pages are dropped uncopied until the wait is over.
+        self._backoff = Backoff(BACKOFF_S, BACKOFF_MAX_S)
         self._closed = False
         self._close_by = float("inf")
         self._thread = threading.Thread(target=self._run, name=f"l3-writer-{layout.stage}", daemon=True)
         self._thread.start()
+
+    @property
+    def available(self) -> bool:
+        """The last write succeeded (or none was tried)."""
+        return not self._backoff.down
 
     # --- the stage's thread ----------------------------------------------------
     def submit(self, block_hash: int, page: torch.Tensor, tokens: int) -> bool:
         """Stage one page ([layers, 2, block_size, kv_heads, head_dim], any device); False if dropped."""
         if self._closed:
             return False
-        if not self.available and time.monotonic() < self._retry_at:
+        if self._backoff.waiting():
             self.stats.dropped_down += 1  # Redis is down: no copy, no queue (the writer backs off)
             return False
         try:
@@ -132,7 +138,6 @@ class PageWriter:
 
     # --- the writer's thread ---------------------------------------------------
     def _run(self) -> None:
-        delay = BACKOFF_S
         stop = False
         while not stop:
             first = self._staged.get()
@@ -153,17 +158,14 @@ class PageWriter:
                 self._free.put(slot)
             if ok is None:
                 continue  # dropped during the backoff: nothing learnt about Redis
-            if ok and not self.available:
+            if ok and self._backoff.succeeded():
                 log.info("L3 available again for stage %d", self.layout.stage)
-                delay = BACKOFF_S
             elif not ok:
-                delay = delay if self.available else min(2 * delay, BACKOFF_MAX_S)
-                self._retry_at = time.monotonic() + delay
-            self.available = ok
+                self._backoff.failed()
 
     def _write(self, batch: list[tuple[int, int, int]]) -> bool | None:
         """Write a batch: True, False when Redis failed, None when dropped unwritten (backing off)."""
-        if not self.available and time.monotonic() < self._retry_at:
+        if self._backoff.waiting():
             self.stats.failed += len(batch)  # staged before Redis was found down: drop, no call
             return None
         wait = self._cap.book(len(batch) * self.layout.value_bytes)
