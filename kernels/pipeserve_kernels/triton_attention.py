@@ -66,14 +66,17 @@ def _online_start(q):
 
 
 @triton.jit
-def _online(m_i, s, seen, softcap, HAS_SOFTCAP: tl.constexpr):
+def _online(m_i, l_i, s, seen, softcap, HAS_SOFTCAP: tl.constexpr):
     """One tile of the online softmax over scores s [R, T] (capped, then masked to seen): the new
-    running max [R], the tile's weights [R, T] and alpha [R], the factor rescaling the sums so far."""
+    running max [R] and sum [R], the tile's weights [R, T] and alpha [R], the factor rescaling the
+    weighted values so far (the caller adds the tile's: a dot or a broadcast product)."""
     if HAS_SOFTCAP:
         s = _softcap(s, softcap)
     s = tl.where(seen, s, NEG)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    return m_new, tl.exp(s - m_new[:, None]), tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), p, alpha
 
 
 @triton.jit
@@ -133,10 +136,8 @@ def _decode_attend(q, ctx, first, kvh, cache, softcap, D, BS, TILE: tl.constexpr
         k, v = _kv_tile(cache, toks, valid, kvh, ds, ds < D, BS)
         # [G_P, TILE]: G is small (1..8), a broadcast product beats padding a dot to 16 rows.
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        m_new, p, alpha = _online(m_i, s, valid[None, :], softcap, HAS_SOFTCAP)
+        m_i, l_i, p, alpha = _online(m_i, l_i, s, valid[None, :], softcap, HAS_SOFTCAP)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
     return acc / l_i[:, None]
 
 
@@ -286,10 +287,8 @@ def _prefill_attend(
         seen = (kpos[None, :] <= qpos[:, None]) & kvalid[None, :]
         if HAS_WINDOW:
             seen = seen & (kpos[None, :] > qpos[:, None] - window)
-        m_new, p, alpha = _online(m_i, s, seen, softcap, HAS_SOFTCAP)
+        m_i, l_i, p, alpha = _online(m_i, l_i, s, seen, softcap, HAS_SOFTCAP)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
     return acc / l_i[:, None]
 
 
