@@ -164,13 +164,18 @@ class Router:
             for p in req.prompts
         ]
 
+    def _parsed(self, req: ChatRequest) -> bool:
+        """A chat choice's text goes through parsers: tool calls (unless tool_choice is "none") or
+        reasoning."""
+        return req.tools.choice != "none" or self.config.reasoning_parser is not None
+
     def _output(self, req: ChatRequest) -> ChatOutput | None:
         """The parsers' view of a chat choice's text (router/api/chat_output.py), made with the
         Formatter: reasoning, content and tool calls."""
+        if not self._parsed(req):
+            return None
         c = self.config
         tools = ToolCallOutput(req.tools, c.tool_call_parser) if req.tools.choice != "none" else None
-        if tools is None and c.reasoning_parser is None:
-            return None
         return ChatOutput(tools, c.reasoning_parser, req.chat_args.template_kwargs)
 
     def _chat_ids(self, req: ChatRequest, max_len: int) -> list[int]:
@@ -201,13 +206,12 @@ class Router:
             )
             self._check_cost([ids], [params], req.n, req.n, req.max_tokens_param, "prompt_logprobs")
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            parsed = req.tools.choice != "none" or self.config.reasoning_parser is not None
             families = fanout.plan([ids], [params], req.n, req.n, rid)
             try:
                 return await self._generate(
                     request,
                     lambda: chat_formatter(req, rid, self.config.model_name, self.tok, self._output(req)),
-                    self._kept_tags[req.tools.choice] if parsed else None,
+                    self._kept_tags[req.tools.choice] if self._parsed(req) else None,
                     families,
                     [params],
                     req.stream,
