@@ -94,6 +94,7 @@ def test_both_groups_exhausted_is_429(llama_dir: Path, reply: list[int]) -> None
     with RouterHarness(llama_dir, stages) as h:
         r = complete(h)
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert r.headers["retry-after"] == "1"  # a refusal of load says when to try again
         assert len(stages["g0"].requests) + len(stages["g1"].requests) == 2
 
 
@@ -106,6 +107,7 @@ def test_a_stopped_group_is_routed_around(llama_dir: Path, reply: list[int]) -> 
         assert h.replicas.snapshot()[0]["status"].startswith(("unreachable", "Generate failed"))
         h.run(stages["g1"].stop())
         wait_until(lambda: complete(h).status_code == 503, 5, "503 with no group")
+        assert complete(h).headers["retry-after"] == "1"
         assert httpx.get(h.url + "/health").status_code == 503
         assert httpx.get(h.url + "/health_generate").status_code == 503
         h.run(stages["g1"].start())  # restarted on the same port: the poller brings it back

@@ -17,6 +17,11 @@ from fastapi.responses import JSONResponse
 
 from pipeserve.errors import InvalidRequestError
 
+# A refusal of load (429, 503) says when to try again (RFC 9110 Retry-After, seconds), so a client
+# that honours it (the OpenAI SDKs do) backs off instead of spinning on refusals: a busy group frees
+# a seat within a few steps, and a group that is not ready is polled every second or so.
+RETRY_AFTER_S = 1
+
 
 class APIError(Exception):
     def __init__(
@@ -73,11 +78,15 @@ def too_large(message: str) -> APIError:
 
 
 def too_many_requests(message: str) -> APIError:
-    return APIError(429, message, "rate_limit_error", None, "rate_limit_exceeded")
+    return APIError(429, message, "rate_limit_error", None, "rate_limit_exceeded", _retry_after())
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, "server_error", None, "service_unavailable")
+    return APIError(503, message, "server_error", None, "service_unavailable", _retry_after())
+
+
+def _retry_after() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 def internal(message: str) -> APIError:
