@@ -15,6 +15,7 @@ from pipeserve.engine.fairness import (
     MIN_PREFILL_TOKENS,
     StepPace,
     family,
+    family_caps,
     share_decodes,
     water_fill,
 )
@@ -147,3 +148,44 @@ def test_share_decodes_splits_rows_max_min_by_family() -> None:
     )
     assert got == [r for r in reqs if r in got], "order kept"
     assert share_decodes(reqs, None) == reqs and share_decodes(reqs, 60) == reqs
+
+
+def test_family_caps_split_between_families_first() -> None:
+    needs = [(f"cmpl-fan-0-{k}", 13) for k in range(128)] + [("cmpl-other-0", 9)]
+    caps = family_caps(needs, 140)
+    assert caps["cmpl-other-0"] == 9, "the unrelated prompt gets all it needs"
+    assert caps["cmpl-fan-0-0"] == 1 and sum(min(caps[r], n) for r, n in needs) <= 140 + 1
+    assert family_caps([("a-1", 100), ("b-1", 100)], 50) == {"a-1": 25, "b-1": 25}
+
+
+def test_an_unrelated_prompt_is_computed_whole_beside_128_sibling_prompts() -> None:
+    """128 siblings' prompts (one family, 13 tokens each) and an unrelated 9-token prompt: the
+    unrelated one is computed in its first plan (its first token one plan away), not a token a
+    plan as one claimant among 129."""
+    s = paced(0.25, 0.0017, max_num_seqs=256)
+    for k in range(128):
+        s.add(Request(f"cmpl-fan-0-{k}", list(range(1, 14)), PARAMS))
+    complete(s, s.schedule())
+    s.add(Request("cmpl-other-0", list(range(100, 109)), PARAMS))
+    plan = s.schedule()
+    [mine] = [c for c in plan.chunks if c.req_id == "cmpl-other-0"]
+    assert len(mine.token_ids) == 9 and mine.sample_index >= 0
+    assert any(c.req_id.startswith("cmpl-fan") for c in plan.chunks), "the siblings go on too"
+
+
+def test_waiting_prompts_keep_their_reserve_beside_a_fanouts_decodes() -> None:
+    """200 siblings decoding at 2 ms a row would take a whole plan (125 rows): an unrelated
+    60-token prompt keeps its part of the plan and is computed in its first plan."""
+    s = paced(0.25, 0.002, max_num_seqs=256)
+    fan = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for k in range(200):
+        s.add(Request(f"cmpl-fan-0-{k}", [1, 2, 3], fan))
+    while any(not r.output_token_ids for r in s.requests.values()):
+        complete(s, s.schedule())
+    s.add(Request("cmpl-other-0", list(range(100, 160)), PARAMS))
+    plan = s.schedule()
+    [mine] = [c for c in plan.chunks if c.req_id == "cmpl-other-0"]
+    assert len(mine.token_ids) == 60 and mine.sample_index >= 0
+    decodes = [c for c in plan.chunks if c.req_id.startswith("cmpl-fan")]
+    assert len(decodes) == 125 - 60, len(decodes)  # the decodes keep the rest (at least half the plan)
+    assert s.pace.decode_rows(10_000) == 63, "the reserve is at most half the plan"

@@ -5,18 +5,19 @@ Three rules, each the scheduler's (engine/scheduler.py) and so decided on stage 
 * **Step pace** (`StepPace`): a plan's cost is its tokens plus its prompt-scoring rows (a scored
   row runs lm_head, a float32 log_softmax and a top-k over the vocabulary: counted as one more
   token). Stage 0 measures what plans cost — the stages' busy seconds for each plan (the sum
-  over stages: a request's step crosses every one of them) per unit of cost — and sizes the
-  prefill and scoring part of each plan so a plan is predicted to take at most `target_s`.
-  Decodes run first (one token per running request), at most as many rows as the pace allows
-  (never fewer than MIN_DECODE_ROWS): past that, each family gets a max-min fair share of the
-  rows (`share_decodes`), so n=128 siblings decode in turns and an unrelated request still gets
-  a token every plan. Prompts and scoring fill what is left, at least MIN_PREFILL_TOKENS a plan
-  so a long prompt still progresses. A long prompt therefore
-  never holds the batch for seconds, and an abort (applied between steps) takes effect within
-  one short step.
-* **Water-filling** (`water_fill`): the prompt share of a plan is split max-min fairly between
-  the prompts that want tokens (running prompts and the waiting requests with a free seat):
-  a short prompt gets all it needs, the long ones share the rest equally.
+  over stages: a request's step crosses every one of them) per unit of cost — and sizes each
+  plan so it is predicted to take at most `target_s`. Decodes run first (one token per running
+  request), at most as many rows as the pace allows once waiting prompts have kept their
+  reserve (what they claim, up to PROMPT_RESERVE of the plan; never fewer than MIN_DECODE_ROWS
+  rows): past that, each family gets a max-min fair share of the rows (`share_decodes`), so
+  n=128 siblings decode in turns and an unrelated request still gets a token every plan, and
+  its prompt the reserve. Prompts and scoring fill what is left, at least MIN_PREFILL_TOKENS a
+  plan so a long prompt still progresses. A long prompt therefore never holds the batch for
+  seconds, and an abort (applied between steps) takes effect within one short step.
+* **Water-filling** (`water_fill`, `family_caps`): the prompt share of a plan is split max-min
+  fairly between the families whose prompts want tokens (running prompts and the waiting
+  requests with a free seat), then between each family's prompts: a short prompt gets all it
+  needs, the long ones share the rest equally, and 128 siblings' prompts count as one claim.
 * **Families** (`family`, `fair_order`): the router sends a response's upstream calls as
   `<response id>-<prompt>[-<candidate>]` (router/http/handlers.py, router/upstream/fanout.py), so `n`,
   `best_of` and a list of prompts are one family. Waiting requests are admitted round-robin by
@@ -46,6 +47,8 @@ PACE_WEIGHT = 0.3  # weight of the newest measurement in the moving average
 # A plan's decode rows never fall under this: below it a plan's fixed costs dominate, and a family
 # of this many siblings or fewer always decodes whole.
 MIN_DECODE_ROWS = 32
+# The part of a plan waiting prompts may keep from the decodes (when they claim that much).
+PROMPT_RESERVE = 0.5
 
 
 def plan_cost(plan: StepPlan) -> int:
@@ -54,8 +57,8 @@ def plan_cost(plan: StepPlan) -> int:
 
 
 class StepPace:
-    """Seconds per unit of plan cost, measured from the stages' busy meters; the prompt share
-    that keeps a plan within `target_s` (None: no time target, the token budget alone)."""
+    """Seconds per unit of plan cost, measured from the stages' busy meters; the shares that keep
+    a plan within `target_s` (None: no time target, the token budget alone)."""
 
     def __init__(self, target_s: float | None) -> None:
         self.target_s = target_s
@@ -86,11 +89,14 @@ class StepPace:
             return BOOT_TOKENS
         return max(MIN_PREFILL_TOKENS, int(self.target_s / self.s_per_token) - decodes)
 
-    def decode_rows(self) -> int | None:
-        """Decode rows a plan may hold (the rest wait a plan); None: every row."""
+    def decode_rows(self, prompt_claim: int = 0) -> int | None:
+        """Decode rows a plan may hold (the rest wait a plan); None: every row. Prompts that claim
+        `prompt_claim` cost units keep up to PROMPT_RESERVE of the plan from the decodes: a fan-out's
+        rows cannot leave an unrelated prompt MIN_PREFILL_TOKENS a plan (its first token seconds away)."""
         if self.target_s is None or self.s_per_token is None:
             return None
-        return max(MIN_DECODE_ROWS, int(self.target_s / self.s_per_token))
+        units = int(self.target_s / self.s_per_token)
+        return max(MIN_DECODE_ROWS, units - min(prompt_claim, int(PROMPT_RESERVE * units)))
 
 
 def share_decodes(reqs: Sequence[Request], rows: int | None) -> list[Request]:
@@ -107,6 +113,21 @@ def share_decodes(reqs: Sequence[Request], rows: int | None) -> list[Request]:
     for ix in by_family.values():
         keep.update(sorted(ix, key=lambda i: (reqs[i].num_tokens, i))[:cap])
     return [r for i, r in enumerate(reqs) if i in keep]
+
+
+def family_caps(needs: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:
+    """Each request's cap (cost units) of a plan's prompt share `budget`, from (request id, units
+    wanted): max-min fair between families first, then between a family's requests, so an
+    unrelated prompt gets all it needs beside 128 siblings' prompts (each at least 1)."""
+    by_family: dict[str, list[tuple[str, int]]] = {}
+    for rid, need in needs:
+        by_family.setdefault(family(rid), []).append((rid, need))
+    share = water_fill([sum(n for _, n in m) for m in by_family.values()], budget)
+    caps: dict[str, int] = {}
+    for members in by_family.values():
+        cap = water_fill([n for _, n in members], min(share, sum(n for _, n in members)))
+        caps.update((rid, cap) for rid, _ in members)
+    return caps
 
 
 def water_fill(needs: Iterable[int], budget: int) -> int:

@@ -31,7 +31,7 @@ from msgspec import UNSET, UnsetType
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
-from pipeserve.engine.fairness import StepPace, fair_order, family, share_decodes, water_fill
+from pipeserve.engine.fairness import StepPace, fair_order, family, family_caps, share_decodes
 from pipeserve.engine.l3_writes import WriteSettings
 from pipeserve.engine.plan import (
     BlockCopy,
@@ -110,20 +110,17 @@ class Scheduler(StepResults):
         l3_loads: list[LoadOrder] = []
         self.fetch.take_probe_answers(self.requests)
         self._rebalance_seats()
-        # Decodes first (one token each; past the pace's rows, a fair share per family), then the
-        # prompt share (engine/fairness.py): the step pace's limit, split max-min fairly between
-        # running prompts and the admissible waiting.
-        decoding = share_decodes([r for r in self.running if self._wants(r) == 1], self.pace.decode_rows())
-        budget, preempted = self._schedule_running(decoding, budget, chunks)
+        # Decodes first (one token each; past the pace's rows, a fair share per family; waiting
+        # prompts keep their reserve of the plan), then the prompt share (engine/fairness.py): the
+        # step pace's limit, split max-min fairly between the families of the running prompts and
+        # of the admissible waiting, then within each family.
+        rows = self.pace.decode_rows(sum(n for _, n in self._prompt_needs()[1]))
+        budget, preempted = self._schedule_running(share_decodes(self._decoding(), rows), budget, chunks)
         share = self.pace.prompt_share(len(chunks))
         prompt = budget if share is None else min(budget, share)
-        prompts = [r for r in self.running if self._wants(r) > 1]
-        seats = max(0, self.max_num_seqs - len(self.running))
-        admissible = [r for r in self.waiting if r.fetch not in (Fetch.PROBING, Fetch.LOADING)]
-        needs = [_cost(r, self._wants(r)) for r in prompts] + [
-            _cost(r, r.num_tokens) for r in admissible[: max(seats, 1)]
-        ]
-        cap = water_fill(needs, prompt)
+        prompts, needs = self._prompt_needs()
+        cap = family_caps(needs, prompt)
+        prompts.sort(key=lambda r: cap.get(r.req_id, 1))  # the smallest shares first: none is crowded out
         left, preempted_now = self._schedule_running(prompts, prompt, chunks, cap)
         if not (preempted or preempted_now):
             probes = self.fetch.stats.probes
@@ -158,19 +155,35 @@ class Scheduler(StepResults):
         self._inflight_tokens += plan.num_tokens
         return seal(plan)
 
+    def _decoding(self) -> list[Request]:
+        return [r for r in self.running if self._wants(r) == 1]
+
+    def _prompt_needs(self) -> tuple[list[Request], list[tuple[str, int]]]:
+        """The running prompts, and the cost units wanted by them and by the waiting requests
+        that could be admitted now (those with a seat; at least one), by request id."""
+        prompts = [r for r in self.running if self._wants(r) > 1]
+        seats = max(0, self.max_num_seqs - len(self.running))
+        admissible = [r for r in self.waiting if r.fetch not in (Fetch.PROBING, Fetch.LOADING)]
+        needs = [(r.req_id, _cost(r, self._wants(r))) for r in prompts]
+        return prompts, needs + [(r.req_id, _cost(r, r.num_tokens)) for r in admissible[: max(seats, 1)]]
+
     def _schedule_running(
-        self, reqs: list[Request], budget: int, chunks: list[ScheduledChunk], cap: int | None = None
+        self,
+        reqs: list[Request],
+        budget: int,
+        chunks: list[ScheduledChunk],
+        cap: dict[str, int] | None = None,
     ) -> tuple[int, bool]:
-        """A chunk for each of `reqs` (oldest first) within `budget` and, per request, `cap` cost
-        units; when the pool is short the newest running request is preempted, repeatedly.
-        Returns (budget left, whether a request was preempted)."""
+        """A chunk for each of `reqs` (in order) within `budget` and, per request, its `cap` cost
+        units (engine/fairness.py family_caps); when the pool is short the newest running request
+        is preempted, repeatedly. Returns (budget left, whether a request was preempted)."""
         preempted = False
         for req in reqs:
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or not self._wants(req):
                 continue  # preempted in this step, or its next token is being computed
-            n = _tokens_for(req, self._wants(req), min(budget, cap or budget))
+            n = _tokens_for(req, self._wants(req), min(budget, cap.get(req.req_id, 1) if cap else budget))
             need = self.bm.blocks_needed(req.num_scheduled + n) - len(req.block_ids)
             while not self.bm.can_allocate(need):
                 victim = self._preemptable_victim()
@@ -195,14 +208,14 @@ class Scheduler(StepResults):
     def _admit_waiting(
         self,
         budget: int,
-        cap: int,
+        cap: dict[str, int],
         chunks: list[ScheduledChunk],
         new_reqs: list[NewRequest],
         l2_loads: list[BlockCopy],
         l3_loads: list[LoadOrder],
     ) -> int:
         """Admit waiting requests round-robin by family (engine/fairness.py), each after its
-        longest prefix in L1, then L2, its first chunk at most `cap` cost units; a request L3
+        longest prefix in L1, then L2, its first chunk at most its `cap` cost units; a request L3
         may hold more of is probed and loaded first (it waits, the others go on). Returns the
         budget left."""
         bs = self.bm.block_size
@@ -235,7 +248,7 @@ class Scheduler(StepResults):
                         return budget  # no room: later requests wait too
                     continue
             start = k * bs
-            n = _tokens_for(req, len(tokens) - start, min(budget, cap))
+            n = _tokens_for(req, len(tokens) - start, min(budget, cap.get(req.req_id, 1)))
             need = self.bm.blocks_needed(start + n) - len(hits)
             if not self.bm.can_allocate(need, hits):
                 return budget
