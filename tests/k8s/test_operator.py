@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import kmock
 import kopf
@@ -58,11 +59,41 @@ async def operator(k: kmock.KubernetesEmulator, body: dict, resync_s: float = 60
     memo.clock = asyncio.get_running_loop().time  # backoffs and deadlines in loop time
     stop = asyncio.Event()
     task = asyncio.create_task(kopf.operator(standalone=True, namespaces=[NS], memo=memo, stop_flag=stop))
+    watchdog = RealTimeBound(asyncio.current_task(), REAL_LIMIT_S)
     try:
         yield
+    except asyncio.CancelledError:
+        if watchdog.fired:
+            raise AssertionError(f"past {REAL_LIMIT_S} s of real time: the operator never idled") from None
+        raise
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+        watchdog.disarm()
+
+
+# A real-time bound on every operator test. Loop time (looptime) moves only while every task idles:
+# an operator that never idles (a write retried without a backoff, a delete that wakes the next pass)
+# freezes the clock, so `eventually` and wait_for would wait forever; pytest-timeout's exception is
+# kept by the asyncio task it lands in. The bound cancels the test's task instead, again every few
+# seconds until the operator has stopped.
+REAL_LIMIT_S = 120.0
+
+
+class RealTimeBound:
+    def __init__(self, task: asyncio.Task | None, limit_s: float) -> None:
+        self.fired = False
+        self._task, self._loop = task, asyncio.get_running_loop()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, args=(limit_s,), daemon=True).start()
+
+    def _watch(self, limit_s: float) -> None:
+        while not self._done.wait(limit_s) and self._task is not None:
+            self.fired, limit_s = True, 5.0
+            self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def disarm(self) -> None:
+        self._done.set()
 
 
 def cr(k: kmock.KubernetesEmulator) -> dict:

@@ -263,9 +263,6 @@ async def test_volcano_gang_without_volcano_is_degraded(kmock: kmock.KubernetesE
         assert [g["index"] for g in groups(kmock)] == [0]  # the group is still supervised
 
 
-# A real-time bound: under looptime, an operator that deletes in a loop (each deletion an event that
-# wakes the next pass) never lets loop time advance, so `eventually` alone would wait forever.
-@pytest.mark.timeout(60)
 async def test_pods_stuck_on_a_lost_node_are_forced(kmock: kmock.KubernetesEmulator) -> None:
     # Group 2's pod holds Kueue's finalizer (placement.gang kueue): a forced delete could not remove it;
     # it is left alone, with one StuckPod Event naming the finalizer and the remedy.
