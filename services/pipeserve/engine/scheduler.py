@@ -114,11 +114,13 @@ class Scheduler(StepResults):
         # prompts keep their reserve of the plan), then the prompt share (engine/fairness.py): the
         # step pace's limit, split max-min fairly between the families of the running prompts and
         # of the admissible waiting, then within each family.
-        rows = self.pace.decode_rows(sum(n for _, n in self._prompt_needs()[1]))
+        prompts, needs = self._prompt_needs()
+        rows = self.pace.decode_rows(sum(n for _, n in needs))
         budget, preempted = self._schedule_running(share_decodes(self._decoding(), rows), budget, chunks)
+        if preempted:  # a victim left the running prompts (or the decodes) for the waiting: claims changed
+            prompts, needs = self._prompt_needs()
         share = self.pace.prompt_share(len(chunks))
         prompt = budget if share is None else min(budget, share)
-        prompts, needs = self._prompt_needs()
         cap = family_caps(needs, prompt)
         prompts.sort(key=lambda r: cap.get(r.req_id, 1))  # the smallest shares first: none is crowded out
         left, preempted_now = self._schedule_running(prompts, prompt, chunks, cap)
