@@ -9,10 +9,13 @@ largest by preemption.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from pipeserve.engine.block_manager import BlockManager
 from pipeserve.engine.fairness import (
     MIN_DECODE_ROWS,
     MIN_PREFILL_TOKENS,
+    MIN_SCORE_ROWS,
     StepPace,
     family,
     family_caps,
@@ -20,7 +23,7 @@ from pipeserve.engine.fairness import (
     water_fill,
 )
 from pipeserve.engine.plan import PromptScores, SampledToken, StageReport, StepOutput, StepPlan
-from pipeserve.engine.request import Request
+from pipeserve.engine.request import FinishReason, Request
 from pipeserve.engine.scheduler import Scheduler
 from pipeserve.sampling_params import SamplingParams
 
@@ -81,6 +84,28 @@ def test_a_scored_prompt_is_chunked_within_the_budget_and_others_interleave() ->
         complete(s, plan)
     assert "cmpl-small-0" not in s.requests, "the small request finished while the scoring ran"
     assert "cmpl-long-0" in s.requests
+
+
+def test_scoring_rows_start_slow_after_a_pace_measured_on_plain_tokens() -> None:
+    # 0.25 s / 0.0002 s: 1,250 units a plan, measured without scoring. A scored row may cost several
+    # tokens (lm_head, log_softmax, top-k): the rows start at MIN_SCORE_ROWS and at most double.
+    s = paced(0.25, 0.0002)
+    for k in range(4):
+        s.add(Request(f"cmpl-score{k}-0", list(range(1, 4001)), SCORED))
+    rows = []
+    for _ in range(8):
+        plan = s.schedule()
+        rows.append(sum(c.score_rows for c in plan.chunks))
+        complete(s, plan)
+    assert rows[0] <= MIN_SCORE_ROWS, rows
+    assert all(0 < b <= 2 * a for a, b in pairwise(rows)), rows
+    assert rows[-1] > 500, f"the rows grow to the pace's share: {rows}"
+    s.add(Request("cmpl-plain-0", list(range(1, 1001)), PARAMS))
+    for r in list(s.running):
+        s.finish(r.req_id, FinishReason.ABORT)
+    complete(s, s.schedule())  # a plan without scoring: the next scorer starts slow again
+    s.add(Request("cmpl-score9-0", list(range(1, 4001)), SCORED))
+    assert sum(c.score_rows for c in s.schedule().chunks) <= MIN_SCORE_ROWS
 
 
 def test_without_a_pace_the_token_budget_alone_applies() -> None:

@@ -13,7 +13,7 @@ from collections import deque
 
 from pipeserve.engine import prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager
-from pipeserve.engine.fairness import StepPace, plan_cost
+from pipeserve.engine.fairness import StepPace, plan_cost, plan_score_rows
 from pipeserve.engine.plan import StepOutput, StepPlan
 from pipeserve.engine.prefix_loads import PrefixFetch
 from pipeserve.engine.request import FinishReason, Request, RequestStatus
@@ -49,7 +49,7 @@ class StepResults:
         finished: list[Request] = []
         self._inflight_tokens -= plan.num_tokens
         self._polls -= plan.poll
-        self.pace.observe(plan_cost(plan), output.reports)
+        self.pace.observe(plan_cost(plan), output.reports, plan_score_rows(plan))
         self.fetch.note_lost(sum(r.l3_lost for r in output.reports))
         for report in output.reports:
             for ack in report.loads:

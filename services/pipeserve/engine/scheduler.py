@@ -164,10 +164,13 @@ class Scheduler(StepResults):
         """The running prompts, and the cost units wanted by them and by the waiting requests
         that could be admitted now (those with a seat; at least one), by request id."""
         prompts = [r for r in self.running if self._wants(r) > 1]
-        seats = max(0, self.max_num_seqs - len(self.running))
+        seats = max(1, self.max_num_seqs - len(self.running))
         admissible = [r for r in self.waiting if r.fetch not in (Fetch.PROBING, Fetch.LOADING)]
-        needs = [(r.req_id, _cost(r, self._wants(r))) for r in prompts]
-        return prompts, needs + [(r.req_id, _cost(r, r.num_tokens)) for r in admissible[: max(seats, 1)]]
+        wanted = [(r, self._wants(r)) for r in prompts] + [(r, r.num_tokens) for r in admissible[:seats]]
+        # Scoring rows within the pace's slow start (engine/fairness.py), split between the scorers.
+        rows, scoring = self.pace.score_rows(), sum(_scores(r) for r, _ in wanted)
+        most = None if rows is None or not scoring else 2 * max(1, rows // scoring)
+        return prompts, [(r.req_id, _cost(r, n, most)) for r, n in wanted]
 
     def _schedule_running(
         self,
@@ -378,12 +381,19 @@ class Scheduler(StepResults):
         self.waiting.appendleft(req)
 
 
+def _scores(req: Request) -> bool:
+    """Whether req's next chunk scores prompt positions."""
+    return req.params.prompt_logprobs is not None and req.num_scheduled < len(req.prompt_token_ids)
+
+
 def _tokens_for(req: Request, wants: int, allowance: int) -> int:
     """Tokens of req's next chunk within `allowance` cost units (a scored prompt token costs 2)."""
-    per = 2 if req.params.prompt_logprobs is not None and req.num_scheduled < len(req.prompt_token_ids) else 1
-    return max(1, min(wants, allowance // per))
+    return max(1, min(wants, allowance // (2 if _scores(req) else 1)))
 
 
-def _cost(req: Request, tokens: int) -> int:
-    """Cost units of `tokens` more of req (each prompt token it scores counts twice)."""
-    return 2 * tokens if req.params.prompt_logprobs is not None else tokens
+def _cost(req: Request, tokens: int, most: int | None = None) -> int:
+    """Cost units of `tokens` more of req: each prompt token it scores counts twice, and its
+    scoring claims at most `most` units (None: no limit)."""
+    if not _scores(req):
+        return tokens
+    return 2 * tokens if most is None else min(most, 2 * tokens)
