@@ -6,6 +6,7 @@ while a small schema takes milliseconds. Each rule is shown on one pool of one w
   no CPU after the answer, and a fresh worker takes the next spec;
 * the budget is compile time: a spec queued behind a bomb for longer than the budget compiles;
 * a spec that finds no free worker within the queue deadline is CompileBusy (a 429), not a 400;
+  one sent while no worker has started yet waits for the first (start-up is not load);
 * a caller cancelled while its spec compiles (client gone) kills that worker too;
 * what a worker compiled lands in the book (sent as xgrammar's JSON, or compiled again here when
   big), so admission's check finds it without compiling.
@@ -14,7 +15,10 @@ while a small schema takes milliseconds. Each rule is shown on one pool of one w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -158,6 +162,30 @@ def test_no_free_worker_within_the_queue_deadline_is_busy_not_a_bad_spec(pool) -
             lt.run(p.compile("json", SMALL.replace("a", "c"), False))
     finally:
         p.max_queued = 64
+
+
+def test_a_spec_sent_before_any_worker_is_up_waits_for_the_first(llama_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(llama_dir)
+    book = GrammarBook(llama_dir, cfg.vocab_size, cfg.eos_token_ids)
+    lt = LoopThread()
+    p = GrammarPool(book, workers=1, queue_deadline_s=0.2)
+    try:
+        lt.run(p.start(), 180)
+        [pid] = p.pids()
+        os.kill(pid, signal.SIGSTOP)  # importing torch beside two busy loops, niced: seconds
+        assert p.warm() == 0, "the worker was up before it could be held: no test"
+        fut = lt.submit(p.compile("json", SMALL, False))
+        time.sleep(1.0)  # five queue deadlines
+        assert not fut.done(), fut.exception()
+        os.kill(pid, signal.SIGCONT)
+        fut.result(120)
+        assert p.book.has("json", SMALL, False)
+    finally:
+        for held in p.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGCONT)
+        lt.run(p.close())
+        lt.stop()
 
 
 def test_a_cancelled_compile_kills_its_worker(pool) -> None:

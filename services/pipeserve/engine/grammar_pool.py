@@ -8,7 +8,8 @@ their answers. Here:
   before the tokenizer's grammar info is built, so their imports overlap it (`start`: the info is
   built once, in stage 0's GrammarBook, before the stage says ready, and handed to each worker as
   xgrammar's JSON in the background);
-* a spec waits for a free worker at most `queue_deadline_s`, and at most `max_queued` specs wait:
+* a spec waits for a free worker at most `queue_deadline_s` (once the first worker is up), and at
+  most `max_queued` specs wait:
   past either it is `CompileBusy` (RESOURCE_EXHAUSTED: the router answers 429 or tries another
   group), a refusal of load, not of the spec;
 * the compile budget (`compile_deadline_s`) counts from when a worker takes the spec, not the time
@@ -51,6 +52,9 @@ WORKERS = 2  # compiles at once; niced, so a compile storm yields the cores to t
 QUEUE_DEADLINE_S = 20.0
 MAX_QUEUED = 64
 START_DEADLINE_S = 120.0  # a worker imports xgrammar (torch): seconds on a busy machine
+# A spec sent before any worker is up waits this long for the first (start-up, not load: not the
+# queue deadline), within the router's 120 s to a first message.
+START_WAIT_S = 90.0
 RESPAWN_BACKOFF_S = 5.0  # after a worker that did not start
 SHIP_MAX_BYTES = 4 * 2**20  # a compiled grammar larger than this is compiled again here, not sent
 WORKER_NICE = 10
@@ -111,6 +115,7 @@ class GrammarPool:
         self.running = 0  # specs a worker compiles now
         self.killed = 0  # workers killed (past the budget, cancelled, failed)
         self._warm: set[_Worker] = set()  # live workers that said ready
+        self._started = asyncio.Event()  # set once the first worker said ready
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._live: set[_Worker] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -124,8 +129,10 @@ class GrammarPool:
         """Start the workers, then build the tokenizer's grammar info (here, before the stage says
         ready) and hand it to them in the background. Each worker imports xgrammar, and with it
         torch, as soon as it starts (2-30 s of a busy machine's CPU, niced): that overlaps the info
-        build, and a group's restart does not wait for it (its time to Ready). A spec sent before a
-        worker is up waits for it within the queue deadline, as behind a busy one."""
+        build, and a group's restart does not wait for it (its time to Ready). A spec sent before
+        the first worker is up waits for it (at most START_WAIT_S: under two busy loops a niced
+        import took longer than the queue deadline, and the first structured request got a 429),
+        then within the queue deadline, as behind a busy one."""
         launched = [await self._launch() for _ in range(self.workers)]
         self._info_json = await asyncio.to_thread(self.book.tokenizer_info_json)
         for worker in launched:
@@ -174,6 +181,7 @@ class GrammarPool:
             self._retire(worker, respawn_after_s=None)
             return False
         self._warm.add(worker)
+        self._started.set()
         self._idle.put_nowait(worker)
         log.debug("grammar worker %d ready (%d of %d)", proc.pid, len(self._warm), self.workers)
         return True
@@ -206,6 +214,11 @@ class GrammarPool:
             raise CompileBusy(f"{self.queued} structured-output specs are waiting to compile")
         self.queued += 1
         try:
+            if not self._started.is_set():  # niced workers importing torch beside a busy engine
+                try:
+                    await asyncio.wait_for(self._started.wait(), START_WAIT_S)
+                except TimeoutError:
+                    raise CompileBusy(f"no grammar compiler started within {START_WAIT_S:g} s") from None
             worker = await asyncio.wait_for(self._idle.get(), self.queue_deadline_s)
         except TimeoutError:
             raise CompileBusy(f"no grammar compiler was free within {self.queue_deadline_s:g} s") from None
