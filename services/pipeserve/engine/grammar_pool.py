@@ -205,6 +205,19 @@ class GrammarPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _take_worker(self) -> _Worker:
+        """An idle worker, within the queue deadline once the first worker is up (until then at most
+        START_WAIT_S: niced workers import torch beside a busy engine); CompileBusy past either."""
+        if not self._started.is_set():
+            try:
+                await asyncio.wait_for(self._started.wait(), START_WAIT_S)
+            except TimeoutError:
+                raise CompileBusy(f"no grammar compiler started within {START_WAIT_S:g} s") from None
+        try:
+            return await asyncio.wait_for(self._idle.get(), self.queue_deadline_s)
+        except TimeoutError:
+            raise CompileBusy(f"no grammar compiler was free within {self.queue_deadline_s:g} s") from None
+
     async def compile(self, kind: str, text: str, compact: bool) -> None:
         """Return once the spec is known to compile (and, where needed, is compiled here); raise
         InvalidRequestError("structured", why) for a spec that does not, CompileBusy under load."""
@@ -214,14 +227,7 @@ class GrammarPool:
             raise CompileBusy(f"{self.queued} structured-output specs are waiting to compile")
         self.queued += 1
         try:
-            if not self._started.is_set():  # niced workers importing torch beside a busy engine
-                try:
-                    await asyncio.wait_for(self._started.wait(), START_WAIT_S)
-                except TimeoutError:
-                    raise CompileBusy(f"no grammar compiler started within {START_WAIT_S:g} s") from None
-            worker = await asyncio.wait_for(self._idle.get(), self.queue_deadline_s)
-        except TimeoutError:
-            raise CompileBusy(f"no grammar compiler was free within {self.queue_deadline_s:g} s") from None
+            worker = await self._take_worker()
         finally:
             self.queued -= 1
         if self.book.has(kind, text, compact):  # the same spec compiled while this one waited
