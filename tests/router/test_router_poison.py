@@ -14,13 +14,16 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
 from pipeserve.config import EngineConfig
+from pipeserve.rpc import generation_pb2 as pb
+from pipeserve.rpc.metadata import ADMITTED_KEY
 from pipeserve.supervisor.group import GroupSlot
 from router_support import RouterHarness
-from serving_support import live_slots, metric, wait_until
+from serving_support import live_slots, metric, stub, wait_until
 
 pytestmark = pytest.mark.slow
 FAIL, CRASH = 777, 778
@@ -81,3 +84,18 @@ def test_a_request_that_kills_its_group_is_not_carried_to_another(
     router.poll()
     assert [g.name for g in router.call(router.replicas.ready_groups)] == [alive]
     assert _complete(router, [5, 6, 9]).status_code == 200
+
+
+def test_a_call_whose_group_died_says_so_in_its_status(slots: dict[str, GroupSlot]) -> None:
+    """The admitted marker rides on the failed call's status too (stage/server.py): a router that
+    reads the status without the initial metadata still does not carry the poison elsewhere."""
+    slot = next(iter(slots.values()))
+    req = pb.GenerateRequest(
+        request_id="poison-status",
+        prompt_token_ids=[5, CRASH, 9],
+        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True),
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub(slot.grpc_target).Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert ADMITTED_KEY in dict(e.value.trailing_metadata() or ()), e.value.trailing_metadata()

@@ -24,8 +24,11 @@ Status codes say whose failure it is, because the router acts on them:
   UNAVAILABLE        the group is not serving (starting, draining) or stopped
                      (the cause): the only code that takes a group out of routing
 Once a request is admitted, its call carries the initial metadata
-ADMITTED_KEY: a call that then fails with UNAVAILABLE saw its group die with
-the request inside, and the router must not carry it to another group.
+ADMITTED_KEY, and so does the status of a call that then fails: a call that
+fails with UNAVAILABLE saw its group die with the request inside, and the
+router must not carry it to another group. (The status carries it too because
+a router once read a poisoned call's UNAVAILABLE without the initial metadata
+under make test-stress, and carried the poison to a second group.)
 
 `/readyz` and Health read one function (StageStatus.ready), so they agree at
 all times: a group stop makes both say not ready at once.
@@ -153,7 +156,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if delta.error is not None:
                     code = _ERROR_CODES[delta.error_kind]
                     prefix = "request failed: " if delta.error_kind is ErrorKind.FAILED else ""
-                    await context.abort(code, prefix + delta.error)
+                    await context.abort(code, prefix + delta.error, ((ADMITTED_KEY, "1"),))
                 yield delta_to_proto(delta)
         finally:
             self.open_calls -= 1

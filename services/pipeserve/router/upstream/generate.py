@@ -112,7 +112,8 @@ class GenerateStream:
         except grpc.aio.AioRpcError as e:
             self._end_span(e.code(), e.details() or "")
             self.close()
-            admitted = ADMITTED_KEY in dict(e.initial_metadata() or ())
+            md = (*(e.initial_metadata() or ()), *(e.trailing_metadata() or ()))
+            admitted = ADMITTED_KEY in dict(md)  # either: stage/server.py
             raise UpstreamFailure(self.group, e.code(), e.details() or "", admitted) from None
         if msg is grpc.aio.EOF:
             self._end_span(Code.UNAVAILABLE, "stream ended without a finish_reason")
