@@ -25,7 +25,9 @@ class QueueSink:
         self.deltas.put(delta)
 
 
-def test_the_loop_steps_on_the_thread_that_built_the_engine(llama_dir) -> None:
+def run_one(llama_dir, on_step) -> int:
+    """Serve one 4-token greedy request on a real EngineLoop; `on_step(loop)` runs before each step.
+    Returns the id of the thread that built the engine."""
     thread = engine_thread()
     config = EngineConfig(model=str(llama_dir), num_threads=1, num_kv_blocks=256, max_num_seqs=2)
 
@@ -33,16 +35,14 @@ def test_the_loop_steps_on_the_thread_that_built_the_engine(llama_dir) -> None:
         return build_engine(config), threading.get_ident()
 
     engine, builder = thread.submit(build).result(timeout=120)
-    assert builder != threading.get_ident()
-    stepped_on: set[int] = set()
+    loop = EngineLoop(engine, max_waiting=4, thread=thread)
     step = engine.step
 
-    def recorded_step():  # the real step, with the calling thread noted
-        stepped_on.add(threading.get_ident())
+    def recorded_step():  # the real step, after the test's look at the loop
+        on_step(loop)
         return step()
 
     engine.step = recorded_step  # type: ignore[method-assign]
-    loop = EngineLoop(engine, max_waiting=4, thread=thread)
     sink = QueueSink()
     try:
         loop.start()
@@ -59,4 +59,20 @@ def test_the_loop_steps_on_the_thread_that_built_the_engine(llama_dir) -> None:
         assert loop.join(10)
         engine.shutdown()
         thread.shutdown(wait=True)
+    return builder
+
+
+def test_the_loop_steps_on_the_thread_that_built_the_engine(llama_dir) -> None:
+    stepped_on: set[int] = set()
+    builder = run_one(llama_dir, lambda loop: stepped_on.add(threading.get_ident()))
+    assert builder != threading.get_ident()
     assert stepped_on == {builder}
+
+
+def test_the_gauges_count_a_request_before_its_first_plan(llama_dir) -> None:
+    """A submitted request is in the gauges before any plan runs: a client that saw its first token,
+    cancelled it and then polled Load until running and waiting were 0 could otherwise read the
+    previous step's view and reuse the id while it was still live (seen under make test-stress)."""
+    seen: list[tuple[int, int]] = []
+    run_one(llama_dir, lambda loop: seen.append((loop.stats.running, loop.stats.waiting)))
+    assert seen and sum(seen[0]) == 1, seen  # the first plan's request: waiting (or running) already

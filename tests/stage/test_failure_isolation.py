@@ -142,7 +142,12 @@ def test_duplicate_request_id_is_already_exists(llama_dir: Path, tmp_path: Path)
             generate(s, greedy_request("dup", [5, 6, 7], 4))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         call.cancel()
-        wait_until(lambda: s.Load(pb.LoadRequest(), timeout=5).running == 0, 10, "the first call aborted")
+
+        def freed() -> bool:  # the id is free once its request is neither running nor waiting
+            load = s.Load(pb.LoadRequest(), timeout=5)
+            return load.running == 0 and load.waiting == 0
+
+        wait_until(freed, 10, "the first call aborted")
         assert generate(s, greedy_request("dup", [5, 6, 7], 3, ignore_eos=True))[1] == "length"
 
 

@@ -271,11 +271,13 @@ class EngineLoop:
             self.done.set()
 
     def _apply_commands(self) -> None:
+        applied = False
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+            applied = True
             self.on_progress()
             if isinstance(cmd, _Abort):
                 if (active := self._active.get(cmd.req_id)) is not None:
@@ -293,7 +295,8 @@ class EngineLoop:
             if cmd.trace is not None and self.traces is not None:
                 self.traces.admitted(req, cmd.trace)
                 active.traced = True
-        self._update_stats()
+        if applied:  # the gauges show what was just admitted or aborted before the next plan runs
+            self._update_stats()
 
     def _publish(self) -> None:
         for req_id, active in list(self._active.items()):
