@@ -19,11 +19,10 @@ import httpx
 import pytest
 
 from pipeserve.config import EngineConfig
-from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc.metadata import ADMITTED_KEY
 from pipeserve.supervisor.group import GroupSlot
 from router_support import RouterHarness
-from serving_support import live_slots, metric, stub, wait_until
+from serving_support import generate, greedy_request, live_slots, metric, stub, wait_until
 
 pytestmark = pytest.mark.slow
 FAIL, CRASH = 777, 778
@@ -90,12 +89,7 @@ def test_a_call_whose_group_died_says_so_in_its_status(slots: dict[str, GroupSlo
     """The admitted marker rides on the failed call's status too (stage/server.py): a router that
     reads the status without the initial metadata still does not carry the poison elsewhere."""
     slot = next(iter(slots.values()))
-    req = pb.GenerateRequest(
-        request_id="poison-status",
-        prompt_token_ids=[5, CRASH, 9],
-        sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=-1, ignore_eos=True),
-    )
     with pytest.raises(grpc.RpcError) as e:
-        list(stub(slot.grpc_target).Generate(req, timeout=60))
+        generate(stub(slot.grpc_target), greedy_request("poison-status", [5, CRASH, 9], 4, ignore_eos=True))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert ADMITTED_KEY in dict(e.value.trailing_metadata() or ()), e.value.trailing_metadata()
