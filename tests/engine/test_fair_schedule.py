@@ -9,12 +9,15 @@ largest by preemption.
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 
 from pipeserve.engine.block_manager import BlockManager
+from pipeserve.engine.executor import BusyMeter
 from pipeserve.engine.fairness import (
     MIN_DECODE_ROWS,
     MIN_PREFILL_TOKENS,
+    MIN_PROMPT_CHUNK,
     MIN_SCORE_ROWS,
     StepPace,
     family,
@@ -66,6 +69,62 @@ def test_pace_measures_busy_seconds_per_cost() -> None:
     assert pace.prompt_share(5) == 20  # 0.25 s / 0.01 s - 5 decodes
     assert pace.prompt_share(1000) == MIN_PREFILL_TOKENS
     assert StepPace(None).prompt_share(0) is None
+
+
+def test_a_report_taken_inside_a_step_counts_that_step() -> None:
+    """Stage 0's runner reports its busy seconds from inside the engine's own measurement of the
+    step: the report must count the plan it reports on, or the pace divides the previous plan's
+    seconds by this plan's cost (a 2,048-token plan once followed a measured poll plan)."""
+    meter = BusyMeter()
+    with meter.measure():  # the engine: scheduling, then the runner
+        with meter.measure():  # the runner, whose report is taken in here
+            time.sleep(0.05)
+            reported = meter.busy_s
+    assert reported >= 0.05
+    assert meter.busy_s >= reported
+
+
+def test_many_long_prompts_take_turns_in_chunks_of_at_least_the_floor() -> None:
+    """16 long prompts of 16 clients and a 250-unit plan: a max-min split would give each 15 tokens
+    a plan, all reaching their first token together at the end. They pool: each chunk cut by the share
+    holds at least MIN_PROMPT_CHUNK, the oldest go first, and a short prompt arriving meanwhile
+    still gets all it needs in its first plan."""
+    s = paced(0.25, 0.001, max_num_seqs=256)  # 250 cost units a plan
+    for k in range(16):
+        s.add(
+            Request(f"cmpl-long{k}-0", list(range(1000 * k + 1, 1000 * k + 1001)), PARAMS)
+        )  # no shared prefix
+    firsts: list[str] = []
+    for n in range(40):
+        if n == 5:
+            s.add(Request("cmpl-short-0", list(range(100, 110)), PARAMS))
+        plan = s.schedule()
+        prompt = [c for c in plan.chunks if c.sample_index < 0]  # cut mid-prompt: nothing sampled
+        assert all(len(c.token_ids) >= MIN_PROMPT_CHUNK for c in prompt), [len(c.token_ids) for c in prompt]
+        assert len(prompt) <= 250 // MIN_PROMPT_CHUNK
+        if n == 5:
+            [mine] = [c for c in plan.chunks if c.req_id == "cmpl-short-0"]
+            assert len(mine.token_ids) == 10 and mine.sample_index >= 0
+        firsts += [c.req_id for c in plan.chunks if c.start_pos == 0 and c.req_id.startswith("cmpl-long")]
+        complete(s, plan)
+    assert firsts[:3] == ["cmpl-long0-0", "cmpl-long1-0", "cmpl-long2-0"], "the oldest first"
+    assert len(firsts) >= 6, "prompts finish and the next ones start"
+
+
+def test_short_prompts_go_first_when_the_share_is_small() -> None:
+    """Scoring at 3k positions made plans dear (the pace at 5 ms a unit: 50 units a plan). Three
+    long prompts run; four 10-token prompts arrive: each is computed whole in the next plan,
+    before any long prompt's chunk, instead of waiting behind the running ones."""
+    s = paced(0.25, 0.005, max_num_seqs=256)
+    for k in range(3):
+        s.add(Request(f"cmpl-long{k}-0", list(range(1000 * k + 1, 1000 * k + 1001)), PARAMS))
+    complete(s, s.schedule())
+    for k in range(4):
+        s.add(Request(f"cmpl-short{k}-0", list(range(5000 + 10 * k, 5010 + 10 * k)), PARAMS))
+    plan = s.schedule()
+    short = {c.req_id: c for c in plan.chunks if c.req_id.startswith("cmpl-short")}
+    assert len(short) == 4, [c.req_id for c in plan.chunks]
+    assert all(len(c.token_ids) == 10 and c.sample_index >= 0 for c in short.values())
 
 
 def test_a_scored_prompt_is_chunked_within_the_budget_and_others_interleave() -> None:

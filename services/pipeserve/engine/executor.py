@@ -66,26 +66,42 @@ class BusyMeter:
     """Seconds a stage spends working, against seconds since its first work.
 
     Nested measure() blocks count once (stage 0 measures scheduling around
-    the runner's own measurement).
+    the runner's own measurement). `busy_s` includes the outermost block in
+    progress: a report the runner takes inside stage 0's step then counts that
+    step, not only the steps before it (the step pace divides a plan's busy
+    seconds by that plan's cost, engine/fairness.py). Read from other threads
+    (the metrics), so it is read and changed under a lock: a counter never goes back.
     """
 
     def __init__(self) -> None:
-        self.busy_s = 0.0
         self.started: float | None = None
+        self._done_s = 0.0  # closed outermost blocks
+        self._open_t0: float | None = None  # start of the outermost block in progress
         self._depth = 0
+        self._lock = threading.Lock()
 
     @contextmanager
     def measure(self) -> Iterator[None]:
-        t0 = time.perf_counter()
-        if self.started is None:
-            self.started = t0
-        self._depth += 1
+        with self._lock:
+            if self._depth == 0:
+                self._open_t0 = time.perf_counter()
+                if self.started is None:
+                    self.started = self._open_t0
+            self._depth += 1
         try:
             yield
         finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.busy_s += time.perf_counter() - t0
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._open_t0 is not None:
+                    self._done_s += time.perf_counter() - self._open_t0
+                    self._open_t0 = None
+
+    @property
+    def busy_s(self) -> float:
+        with self._lock:
+            t0 = self._open_t0
+            return self._done_s + (time.perf_counter() - t0 if t0 is not None else 0.0)
 
     @property
     def wall_s(self) -> float:

@@ -22,6 +22,9 @@ Three rules, each the scheduler's (engine/scheduler.py) and so decided on stage 
   fairly between the families whose prompts want tokens (running prompts and the waiting
   requests with a free seat), then between each family's prompts: a short prompt gets all it
   needs, the long ones share the rest equally, and 128 siblings' prompts count as one claim.
+  Where that would cut prompts into chunks under MIN_PROMPT_CHUNK, the plan takes fewer of them
+  (`pooled`: round-robin by family, short claims first in each round) and the others wait a plan:
+  prompts then reach their first token in turn, not all together at the end.
 * **Families** (`family`, `fair_order`): the router sends a response's upstream calls as
   `<response id>-<prompt>[-<candidate>]` (router/http/handlers.py, router/upstream/fanout.py), so `n`,
   `best_of` and a list of prompts are one family. Waiting requests are admitted round-robin by
@@ -55,6 +58,8 @@ MIN_DECODE_ROWS = 32
 PROMPT_RESERVE = 0.5
 # A plan's scoring rows after a plan without any (they at most double from plan to plan after it).
 MIN_SCORE_ROWS = 32
+# A prompt chunk cut short by the plan's share holds at least this many cost units (`pooled`).
+MIN_PROMPT_CHUNK = 64
 
 
 def plan_cost(plan: StepPlan) -> int:
@@ -134,11 +139,21 @@ def share_decodes(reqs: Sequence[Request], rows: int | None) -> list[Request]:
     return [r for i, r in enumerate(reqs) if i in keep]
 
 
-def family_caps(needs: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:
+def family_caps(needs: Sequence[tuple[str, int]], budget: int, floor: int = 1) -> dict[str, int]:
     """Each request's cap (cost units) of a plan's prompt share `budget`, from (request id, units
-    wanted): max-min fair between families first, then between a family's requests, so an
-    unrelated prompt gets all it needs beside 128 siblings' prompts (each at least 1, and at most
-    its need)."""
+    wanted), in priority order: max-min fair between families first, then between a family's
+    requests, so an unrelated prompt gets all it needs beside 128 siblings' prompts (each at least
+    1, and at most its need). Where a cap would cut a chunk under `floor` units (and under its
+    need), only the requests `pooled` keeps share the budget; the others get 0 (they wait a plan)."""
+    caps = _fair_caps(needs, budget)
+    if all(caps[rid] >= min(need, floor) for rid, need in needs):
+        return caps
+    kept = pooled(needs, budget, floor)
+    caps = _fair_caps([(rid, need) for rid, need in needs if rid in kept], budget)
+    return {rid: caps.get(rid, 0) for rid, _ in needs}
+
+
+def _fair_caps(needs: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:
     by_family: dict[str, list[tuple[str, int]]] = {}
     for rid, need in needs:
         by_family.setdefault(family(rid), []).append((rid, need))
@@ -148,6 +163,29 @@ def family_caps(needs: Sequence[tuple[str, int]], budget: int) -> dict[str, int]
         cap = water_fill([n for _, n in members], min(share, sum(n for _, n in members)))
         caps.update((rid, max(1, min(cap, need))) for rid, need in members)
     return caps
+
+
+def pooled(needs: Sequence[tuple[str, int]], budget: int, floor: int) -> set[str]:
+    """The requests of `needs` a plan takes when its share would cut prompts into chunks under
+    `floor` units: round-robin by family (each family's first request, then its second...), in a
+    round the smaller claims first, then `needs` order; each taken while the budget holds
+    min(need, floor) for it (at least one). Split max-min, 16 long prompts get 15 tokens a plan
+    each and every one reaches its first token only when all do (processor sharing), with a plan
+    spread over many requests; taken in turn, the first ones finish sooner and start decoding for
+    the same work, and short prompts (a probe, a chat turn) still go first (benchmarks/RESULTS.md,
+    session 9)."""
+    taken: Counter[str] = Counter()
+    keyed = []
+    for i, (rid, need) in enumerate(needs):
+        keyed.append((taken[family(rid)], min(need, floor), i))
+        taken[family(rid)] += 1
+    kept: set[str] = set()
+    room = budget
+    for _, claim, i in sorted(keyed):
+        if not kept or claim <= room:
+            kept.add(needs[i][0])
+            room -= claim
+    return kept
 
 
 def water_fill(needs: Iterable[int], budget: int) -> int:

@@ -29,7 +29,7 @@ from collections import Counter, deque
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from pipeserve.engine import prompt_logprobs
+from pipeserve.engine import fairness, prompt_logprobs
 from pipeserve.engine.block_manager import BlockManager, chain_hashes
 from pipeserve.engine.fairness import StepPace, fair_order, family, family_caps, share_decodes
 from pipeserve.engine.l3_writes import WriteSettings
@@ -113,16 +113,19 @@ class Scheduler(StepResults):
         # Decodes first (one token each; past the pace's rows, a fair share per family; waiting
         # prompts keep their reserve of the plan), then the prompt share (engine/fairness.py): the
         # step pace's limit, split max-min fairly between the families of the running prompts and
-        # of the admissible waiting, then within each family.
+        # of the admissible waiting, then within each family; prompts cut under a floor pool their
+        # caps (a cap of 0: it waits a plan). The smallest shares go first: none is crowded out.
         prompts, needs = self._prompt_needs()
         rows = self.pace.decode_rows(sum(n for _, n in needs))
-        budget, preempted = self._schedule_running(share_decodes(self._decoding(), rows), budget, chunks)
+        budget, preempted = self._schedule_running(
+            share_decodes([r for r in self.running if self._wants(r) == 1], rows), budget, chunks
+        )
         if preempted:  # a victim left the running prompts (or the decodes) for the waiting: claims changed
             prompts, needs = self._prompt_needs()
         share = self.pace.prompt_share(len(chunks))
         prompt = budget if share is None else min(budget, share)
-        cap = family_caps(needs, prompt)
-        prompts.sort(key=lambda r: cap.get(r.req_id, 1))  # the smallest shares first: none is crowded out
+        cap = family_caps(needs, prompt, fairness.MIN_PROMPT_CHUNK)
+        prompts = sorted((r for r in prompts if cap.get(r.req_id, 1)), key=lambda r: cap.get(r.req_id, 1))
         left, preempted_now = self._schedule_running(prompts, prompt, chunks, cap)
         if not (preempted or preempted_now):
             probes = self.fetch.stats.probes
@@ -156,9 +159,6 @@ class Scheduler(StepResults):
         self._last_poll = now if plan.poll else self._last_poll
         self._inflight_tokens += plan.num_tokens
         return seal(plan)
-
-    def _decoding(self) -> list[Request]:
-        return [r for r in self.running if self._wants(r) == 1]
 
     def _prompt_needs(self) -> tuple[list[Request], list[tuple[str, int]]]:
         """The running prompts, and the cost units wanted by them and by the waiting requests
@@ -230,8 +230,8 @@ class Scheduler(StepResults):
             req = queue[i]
             if budget <= 0:
                 break
-            if req.fetch in (Fetch.PROBING, Fetch.LOADING):
-                continue
+            if req.fetch in (Fetch.PROBING, Fetch.LOADING) or not cap.get(req.req_id, 1):
+                continue  # loading its prefix, or its prompt waits a plan (cap 0, fairness.pooled)
             if len(self.running) >= self.max_num_seqs:
                 break
             tokens = req.all_token_ids
