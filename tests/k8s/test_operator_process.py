@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,17 @@ async def alive(port: int) -> bool:
         return False
 
 
+async def until_alive(port: int, timeout: float = 60.0) -> bool:
+    """Whether the process answers /healthz within `timeout` s (wall): a replica may still be
+    starting after the other one leads (imports take seconds on a busy machine)."""
+    deadline = time.monotonic() + timeout  # wall time: kmock's loop may run on looptime's clock
+    while not await alive(port):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+    return True
+
+
 def holder(k: kmock.KubernetesEmulator) -> str | None:
     lease = live(k, LEASE).get("pipeserve-operator")
     return lease["spec"].get("holderIdentity") if lease else None
@@ -89,7 +101,7 @@ async def test_leader_election_failover_and_clean_stop(
         assert leader in procs, leader
         standby = next(n for n in procs if n != leader)
         for name in procs:  # the standby is alive too (or the Deployment's probe would restart it)
-            assert await alive(ports[name]), name
+            assert await until_alive(ports[name]), name
 
         procs[leader].kill()  # no chance to hand the Lease over: the standby waits for it to expire
         await procs[leader].wait()

@@ -219,10 +219,9 @@ class Scheduler(StepResults):
         l2_loads: list[BlockCopy],
         l3_loads: list[LoadOrder],
     ) -> int:
-        """Admit waiting requests round-robin by family (engine/fairness.py), each after its
-        longest prefix in L1, then L2, its first chunk at most its `cap` cost units; a request L3
-        may hold more of is probed and loaded first (it waits, the others go on). Returns the
-        budget left."""
+        """Admit waiting requests round-robin by family (engine/fairness.py), each after its longest
+        prefix in L1, then L2, its first chunk at most its `cap` cost units; a request L3 may hold
+        more of is probed and loaded first (it waits, the others go on). Returns the budget left."""
         bs = self.bm.block_size
         seats = Counter(family(r.req_id) for r in self.running)
         queue = list(self.waiting)
@@ -230,8 +229,8 @@ class Scheduler(StepResults):
             req = queue[i]
             if budget <= 0:
                 break
-            if req.fetch in (Fetch.PROBING, Fetch.LOADING) or not cap.get(req.req_id, 1):
-                continue  # loading its prefix, or its prompt waits a plan (cap 0, fairness.pooled)
+            if req.fetch in (Fetch.PROBING, Fetch.LOADING):
+                continue
             if len(self.running) >= self.max_num_seqs:
                 break
             tokens = req.all_token_ids
@@ -252,6 +251,8 @@ class Scheduler(StepResults):
                     if not self.fetch.order_load(req, hits, l2, prev, l2_loads, l3_loads):
                         return budget  # no room: later requests wait too
                     continue
+            if not cap.get(req.req_id, 1):
+                continue  # its prompt waits a plan (cap 0, fairness.pooled); its L3 probe and load went ahead
             start = k * bs
             n = _tokens_for(req, len(tokens) - start, min(budget, cap.get(req.req_id, 1)))
             need = self.bm.blocks_needed(start + n) - len(hits)
