@@ -90,10 +90,8 @@ def test_many_long_prompts_take_turns_in_chunks_of_at_least_the_floor() -> None:
     holds at least MIN_PROMPT_CHUNK, the oldest go first, and a short prompt arriving meanwhile
     still gets all it needs in its first plan."""
     s = paced(0.25, 0.001, max_num_seqs=256)  # 250 cost units a plan
-    for k in range(16):
-        s.add(
-            Request(f"cmpl-long{k}-0", list(range(1000 * k + 1, 1000 * k + 1001)), PARAMS)
-        )  # no shared prefix
+    for k in range(16):  # no shared prefix
+        s.add(Request(f"cmpl-long{k}-0", list(range(1000 * k + 1, 1000 * k + 1001)), PARAMS))
     firsts: list[str] = []
     for n in range(40):
         if n == 5:

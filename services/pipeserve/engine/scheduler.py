@@ -113,8 +113,8 @@ class Scheduler(StepResults):
         # Decodes first (one token each; past the pace's rows, a fair share per family; waiting
         # prompts keep their reserve of the plan), then the prompt share (engine/fairness.py): the
         # step pace's limit, split max-min fairly between the families of the running prompts and
-        # of the admissible waiting, then within each family; prompts cut under a floor pool their
-        # caps (a cap of 0: it waits a plan). The smallest shares go first: none is crowded out.
+        # of the admissible waiting, then within each family; where that cuts prompts under a floor,
+        # fewer take the share (fairness.pooled; cap 0: waits a plan). Smallest shares go first.
         prompts, needs = self._prompt_needs()
         rows = self.pace.decode_rows(sum(n for _, n in needs))
         budget, preempted = self._schedule_running(
