@@ -17,7 +17,7 @@ import grpc
 import httpx
 
 from pipeserve.config import EngineConfig, StageServeConfig
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import PortBook, free_port
 from pipeserve.rpc import generation_pb2 as pb
 from pipeserve.rpc import generation_pb2_grpc as pb_grpc
 from pipeserve.supervisor.group import GroupSlot
@@ -224,7 +224,8 @@ def running_up(*args: str, log_dir: Path, env: dict[str, str] | None = None) -> 
 @contextlib.contextmanager
 def live_slots(config: EngineConfig, names: tuple[str, ...] = ("g0", "g1")) -> Iterator[dict[str, GroupSlot]]:
     """Groups started by the supervisor's own GroupSlot, each ready (stage 0's /readyz); killed afterwards."""
-    slots = {name: GroupSlot(name, config, StageServeConfig()) for name in names}
+    ports = PortBook()
+    slots = {name: GroupSlot(name, config, StageServeConfig(), ports=ports) for name in names}
     try:
         for s in slots.values():
             s.start()

@@ -15,6 +15,7 @@ from redis.cluster import key_slot
 
 from pipeserve.hicache.page import HEADER_BYTES, PageError, PageLayout, decode_page, encode_page
 from pipeserve.hicache.redis_tier import RedisTier, TierUnavailable
+from pipeserve.local.ports import PortBook
 from pipeserve.local.redis_server import LocalRedis, cluster_create
 
 
@@ -133,7 +134,8 @@ def test_ttl_and_a_redis_that_is_gone() -> None:
 
 
 def test_a_redis_cluster_of_three_masters() -> None:
-    nodes = [LocalRedis(cluster=True) for _ in range(3)]
+    ports = PortBook()  # six ports (three servers, three cluster buses), all different
+    nodes = [LocalRedis(cluster=True, ports=ports) for _ in range(3)]
     late = RedisTier(nodes[2].url, timeout_s=0.2)  # made while the cluster is down
     try:
         with pytest.raises(TierUnavailable):

@@ -14,6 +14,7 @@ import redis
 
 from conftest import hf_greedy
 from hicache_support import family_prompts, run_llm, stage_keys
+from pipeserve.local.ports import PortBook
 from pipeserve.local.redis_server import LocalRedis, cluster_create
 
 L3_ONLY = dict(
@@ -63,7 +64,8 @@ def test_prefixes_from_l3_are_hf_exact(llama_dir: Path, server: LocalRedis, stag
 
 
 def test_prefixes_from_a_redis_cluster_are_hf_exact(llama_dir: Path) -> None:
-    nodes = [LocalRedis(cluster=True) for _ in range(3)]
+    ports = PortBook()  # six ports (three servers, three cluster buses), all different
+    nodes = [LocalRedis(cluster=True, ports=ports) for _ in range(3)]
     try:
         for n in nodes:
             n.start()

@@ -32,7 +32,7 @@ from chart_support import ROOT, Tools, k8s_tools
 from crd_support import render
 
 from pipeserve.cli import build_parser
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import free_port
 from pipeserve_operator.main import build_parser as operator_parser
 from serving_support import wait_http
 

@@ -29,7 +29,7 @@ import pytest
 from chart_support import k8s_tools
 from crd_support import render
 
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import free_port
 from serving_support import wait_http, wait_until
 
 BIN = Path(sys.executable).parent

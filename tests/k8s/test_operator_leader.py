@@ -45,7 +45,7 @@ async def test_a_standby_answers_liveness_and_frees_the_port() -> None:
     # leads, kopf's own liveness endpoint takes the same port.
     import httpx
 
-    from pipeserve.local.launcher import free_port
+    from pipeserve.local.ports import free_port
     from pipeserve_operator.main import _standby_liveness
 
     port = free_port()

@@ -27,7 +27,8 @@ import torch
 from pipeserve.cli import build_parser
 from pipeserve.config import EngineConfig
 from pipeserve.errors import ConfigError
-from pipeserve.local.launcher import LocalGroup, free_port
+from pipeserve.local.launcher import LocalGroup
+from pipeserve.local.ports import free_port
 from pipeserve.obs import logs
 from pipeserve.obs.logs import JsonFormatter, configure_logging, request_context, set_identity
 from pipeserve.obs.ratelimit import RateLimitedLog

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from conftest import hf_greedy
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import free_port
 from pipeserve.router.upstream.discovery_k8s import ready_targets
 from router_support import RouterHarness, ScriptedStage
 from serving_support import live_group, metric, wait_http, wait_until

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from conftest import hf_greedy
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import free_port
 from router_support import ScriptedStage
 from serving_support import live_group, metric, wait_http, wait_until
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from conftest import hf_greedy
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import free_port
 from serving_support import live_group, wait_http, wait_until
 
 

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,13 +34,6 @@ if TYPE_CHECKING:  # ring.group imports torch: `pipeserve up` (which never runs 
 log = logging.getLogger(__name__)
 
 PARENT_ENV = pipeserve_env.PARENT_PID
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (the OS's pick), for a local process to listen on."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def local_group_config(config: EngineConfig, processes: int | None = None) -> EngineConfig:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeserve.errors import ConfigError
-from pipeserve.local.launcher import free_port
+from pipeserve.local.ports import PortBook
 
 if TYPE_CHECKING:
     import redis
@@ -30,14 +30,19 @@ if TYPE_CHECKING:
 
 class LocalRedis:
     def __init__(
-        self, port: int | None = None, cluster: bool = False, maxmemory_mb: int | None = None
+        self,
+        port: int | None = None,
+        cluster: bool = False,
+        maxmemory_mb: int | None = None,
+        ports: PortBook | None = None,
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ConfigError(
                 "hicache_url: 'local' needs redis-server (Debian: apt-get install redis-server)"
             )
-        self.port = port or free_port()
+        ports = ports if ports is not None else PortBook()  # the caller's, where it starts more
+        self.port = port or ports.take()
         self.dir = Path(tempfile.mkdtemp(prefix="pipeserve-redis-"))
         self.argv = [
             binary,
@@ -54,7 +59,7 @@ class LocalRedis:
         if cluster:
             # The cluster bus defaults to port + 10000, beyond 65535 for most free ports: name a free one.
             self.argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            self.argv += ["--cluster-port", str(free_port())]
+            self.argv += ["--cluster-port", str(ports.take())]
         if maxmemory_mb is not None:
             self.argv += ["--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
         self.proc: subprocess.Popen | None = None

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from pipeserve.care.restarts import GroupRecord, StageObservation, StageState
 from pipeserve.config import EngineConfig, StageServeConfig, config_argv
-from pipeserve.local.launcher import LocalGroup, free_port
+from pipeserve.local.launcher import LocalGroup
+from pipeserve.local.ports import PortBook
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,14 @@ class GroupSlot:
     started_at: float = 0.0  # when this incarnation's processes were started (monotonic)
     probe_failures: dict[int, int] = field(default_factory=dict)  # rank -> unanswered /livez in a row
     generation: int = 0  # the generation of the running incarnation (0: none)
+    ports: PortBook = field(default_factory=PortBook)  # shared by the slots of one `up` (and its Redis)
 
     def __post_init__(self) -> None:
         host = self.serve.host
         if not self.grpc_port:
-            self.grpc_port = free_port(host)
+            self.grpc_port = self.ports.take(host)
         if not self.health_ports:
-            self.health_ports = [free_port(host) for _ in range(self.config.stages)]
+            self.health_ports = [self.ports.take(host) for _ in range(self.config.stages)]
 
     @property
     def grpc_target(self) -> str:

@@ -50,6 +50,7 @@ from pipeserve.router.http.http_guard import RouterServer, server_config
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from pipeserve.local.ports import PortBook
     from pipeserve.local.redis_server import LocalRedis
     from pipeserve.router.upstream.replicas import ReplicaSet
     from pipeserve.supervisor.group import GroupSlot
@@ -162,18 +163,20 @@ def bind_router_port(router: RouterConfig) -> socket.socket:
 async def serve_up(configs: UpConfigs, sock: socket.socket) -> int:
     engine = configs.engine
 
+    from pipeserve.local.ports import PortBook
     from pipeserve.local.redis_server import LocalRedis
 
     registry = CollectorRegistry()
+    ports = PortBook()  # every port this `up` hands out is a different one
     redis = redis_start = None
     if engine.hicache_url == "local":  # L3 on a private redis-server, kept running below
         # its port is chosen now: the stages are launched with its URL
-        redis = LocalRedis(maxmemory_mb=engine.hicache_local_maxmemory_mb or None)
+        redis = LocalRedis(maxmemory_mb=engine.hicache_local_maxmemory_mb or None, ports=ports)
         engine = dataclasses.replace(engine, hicache_url=redis.url)
         # Started beside the stages, which reach L3 only after importing torch and loading weights.
         redis_start = asyncio.create_task(asyncio.to_thread(redis.start))
     try:
-        return await _serve_groups(configs, engine, registry, redis, redis_start, sock)
+        return await _serve_groups(configs, engine, registry, redis, redis_start, sock, ports)
     finally:
         if redis_start is not None:
             await asyncio.wait([redis_start], timeout=15.0)  # start() has its own 10 s deadline
@@ -199,12 +202,13 @@ async def _serve_groups(
     redis: LocalRedis | None,
     redis_start: asyncio.Task[LocalRedis] | None,
     sock: socket.socket,
+    ports: PortBook,
 ) -> int:
     serve, router = configs.serve, configs.router
     from pipeserve.supervisor.group import GroupSlot
     from pipeserve.supervisor.supervisor import Supervisor, SupervisorThread
 
-    slots = [GroupSlot(f"group-{g}", engine, serve) for g in range(configs.replicas)]
+    slots = [GroupSlot(f"group-{g}", engine, serve, ports=ports) for g in range(configs.replicas)]
     loop = asyncio.get_running_loop()
     replica_set = None  # built once the stages are launching
 
