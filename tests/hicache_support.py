@@ -22,6 +22,14 @@ TIGHT = dict(
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
+# L3 alone (no L2). A load's deadline is not what these tests measure, so it is 5 s rather than a
+# few hundred ms: under make test-stress a 1-page load from a Redis Cluster took more than 200 ms
+# and was answered 'late' (the group recomputed, the test wanted every load 'ok'). The tests of
+# late loads set their own deadlines.
+L3_NO_L2 = dict(host_cache_gb=0, hicache_load_base_ms=5000)
+# ... with every block stored on its first computation.
+L3_ONLY = dict(L3_NO_L2, hicache_write_policy="always")
+
 
 def family_prompts(vocab: int, seed: int, families: int = 3, per_family: int = 3) -> list[list[int]]:
     """`families` shared prefixes of 40 tokens, each continued by `per_family` suffixes of 5-15."""

@@ -19,7 +19,16 @@ import redis
 import torch
 
 from conftest import hf_greedy
-from hicache_support import GREEDY, TIGHT, assert_no_leaks, family_prompts, run_llm, stage_keys, tier_stats
+from hicache_support import (
+    GREEDY,
+    L3_ONLY,
+    TIGHT,
+    assert_no_leaks,
+    family_prompts,
+    run_llm,
+    stage_keys,
+    tier_stats,
+)
 from pipeserve import LLM
 from pipeserve.engine.plan import LoadOrder, StepPlan
 from pipeserve.hicache.page import HEADER_BYTES, PageLayout
@@ -29,11 +38,6 @@ from pipeserve.local.redis_server import LocalRedis
 from pipeserve.model.demo import DemoSpec, write_demo_model
 from pipeserve.ring.faults import ENV as FAULTS_ENV
 from serving_support import wait_until
-
-# The L3 mechanism under test: every block stored on its first computation.
-L3 = dict(
-    host_cache_gb=0, hicache_load_base_ms=0, hicache_load_per_block_ms=200, hicache_write_policy="always"
-)
 
 
 @pytest.fixture
@@ -45,7 +49,7 @@ def server() -> Iterator[LocalRedis]:
 def _seed_l3(model: Path, url: str, prompts: list[list[int]], stages: int = 2, **kw) -> list[list[int]]:
     """Run the prompts once (their pages are written to L3); the HF-exact ids."""
     want = [hf_greedy(model, p, GREEDY.max_tokens or 0) for p in prompts]
-    assert run_llm(model, stages, prompts, hicache_url=url, **{**L3, **kw})[0] == want
+    assert run_llm(model, stages, prompts, hicache_url=url, **{**L3_ONLY, **kw})[0] == want
     return want
 
 
@@ -61,7 +65,7 @@ def test_one_stage_with_corrupt_pages_means_recompute(llama_dir: Path, server: L
         assert value is not None
         noise = torch.randn((len(value) - HEADER_BYTES) // 4, generator=g).numpy().tobytes()
         client.set(key, value[:HEADER_BYTES] + noise)
-    outs, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3)
+    outs, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3_ONLY)
     assert outs == want
     assert stats.loads["checksum"] > 0 and stats.loads["ok"] == 0, stats.loads
     assert stats.hit_tokens["l3"] == 0
@@ -92,7 +96,7 @@ def test_one_stage_missing_a_page_means_a_shorter_prefix(llama_dir: Path, server
     want = _seed_l3(llama_dir, server.url, prompts)
     client = redis.Redis.from_url(server.url)
     # Delete stage 1's page of the 4th block: L3 holds blocks 0..2 of this prompt for every stage.
-    probe_stats = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3)[1]
+    probe_stats = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3_ONLY)[1]
     full = probe_stats.probe_hit_blocks
     assert full >= 10
     lay_keys = stage_keys(client, 1)
@@ -103,7 +107,7 @@ def test_one_stage_missing_a_page_means_a_shorter_prefix(llama_dir: Path, server
     fourth = chain_hashes(prompts[0], 4, 0, 4, 0)[3]
     (victim,) = [k for k in lay_keys if k.endswith(f"{{{fourth:016x}}}".encode())]
     client.delete(victim)
-    outs, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3)
+    outs, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3_ONLY)
     assert outs == want
     assert stats.probe_hit_blocks == 3 and stats.hit_tokens["l3"] == 3 * 4, stats
 
@@ -130,13 +134,13 @@ def test_another_split_or_checkpoint_never_reads_a_page(
 ) -> None:
     prompts = family_prompts(1024, seed=43, families=1, per_family=2)
     _seed_l3(llama_dir, server.url, prompts, layer_split="0:1,1:4")
-    same = run_llm(llama_dir, 2, prompts, hicache_url=server.url, layer_split="0:1,1:4", **L3)[1]
+    same = run_llm(llama_dir, 2, prompts, hicache_url=server.url, layer_split="0:1,1:4", **L3_ONLY)[1]
     assert same.probe_hit_blocks > 0  # the control: the same split does read them
-    other_split = run_llm(llama_dir, 2, prompts, hicache_url=server.url, layer_split="0:2,2:4", **L3)[1]
+    other_split = run_llm(llama_dir, 2, prompts, hicache_url=server.url, layer_split="0:2,2:4", **L3_ONLY)[1]
     assert other_split.probe_hit_blocks == 0 and not other_split.loads
     other_model = write_demo_model(tmp_path / "seed1", DemoSpec(arch="llama", seed=1))
     _seed_l3(llama_dir, server.url, prompts, stages=1)
-    outs, stats, _ = run_llm(other_model, 1, prompts, hicache_url=server.url, **L3)
+    outs, stats, _ = run_llm(other_model, 1, prompts, hicache_url=server.url, **L3_ONLY)
     assert stats.probe_hit_blocks == 0 and not stats.loads
     assert outs == [hf_greedy(other_model, p, GREEDY.max_tokens or 0) for p in prompts]
 
@@ -175,7 +179,7 @@ def test_redis_killed_mid_load_then_back(
 
         wait_until(stored_again, 30, "stage 1's pages written again", interval_s=0.1)
     monkeypatch.delenv(FAULTS_ENV)
-    outs, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3)
+    outs, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3_ONLY)
     assert outs == want
     assert stats.loads["ok"] > 0, stats.loads
 
@@ -185,7 +189,7 @@ def test_redis_evicting_pages_only_causes_misses(llama_dir: Path) -> None:
         prompts = family_prompts(1024, seed=46, families=12, per_family=3)
         want = [hf_greedy(llama_dir, p, GREEDY.max_tokens or 0) for p in prompts]
         for _ in range(2):
-            outs, _, _ = run_llm(llama_dir, 2, prompts, hicache_url=small.url, **L3)
+            outs, _, _ = run_llm(llama_dir, 2, prompts, hicache_url=small.url, **L3_ONLY)
             assert outs == want
         info = redis.Redis.from_url(small.url).info("stats")
         assert info["evicted_keys"] > 0, "Redis was meant to run out of memory"

@@ -13,13 +13,9 @@ import pytest
 import redis
 
 from conftest import hf_greedy
-from hicache_support import family_prompts, run_llm, stage_keys
+from hicache_support import L3_ONLY, family_prompts, run_llm, stage_keys
 from pipeserve.local.ports import PortBook
 from pipeserve.local.redis_server import LocalRedis, cluster_create
-
-L3_ONLY = dict(
-    host_cache_gb=0, hicache_load_base_ms=0, hicache_load_per_block_ms=200, hicache_write_policy="always"
-)
 
 
 @pytest.fixture(scope="module")

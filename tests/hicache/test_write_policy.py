@@ -22,7 +22,7 @@ import redis
 import torch
 
 from conftest import hf_greedy, record_plans
-from hicache_support import GREEDY, TIGHT, assert_no_leaks, run_llm, stage_keys, tier_stats
+from hicache_support import GREEDY, L3_NO_L2, TIGHT, assert_no_leaks, run_llm, stage_keys, tier_stats
 from pipeserve import LLM
 from pipeserve.engine.block_manager import BlockManager
 from pipeserve.engine.l3_writes import L3Writes, WriteSettings
@@ -33,8 +33,6 @@ from pipeserve.hicache.stage_tiers import StageTiers
 from pipeserve.hicache.writer import PageWriter
 from pipeserve.local.redis_server import LocalRedis
 from serving_support import wait_until
-
-L3 = dict(host_cache_gb=0, hicache_load_base_ms=0, hicache_load_per_block_ms=200)
 
 
 @pytest.fixture
@@ -63,7 +61,7 @@ def test_a_first_sighting_stores_nothing_and_the_second_stores(llama_dir: Path, 
     client = redis.Redis.from_url(server.url)
     prompts = fresh_prompts(6, seed=1)
     want = [hf_greedy(llama_dir, p, GREEDY.max_tokens or 0) for p in prompts]
-    with LLM(str(llama_dir), stages=2, **{**TIGHT, "hicache_url": server.url, **L3}) as llm:
+    with LLM(str(llama_dir), stages=2, **{**TIGHT, "hicache_url": server.url, **L3_NO_L2}) as llm:
         plans = record_plans(llm)
         outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == want
@@ -85,7 +83,7 @@ def test_a_first_sighting_stores_nothing_and_the_second_stores(llama_dir: Path, 
     assert hashes_in(client, 0) == named and hashes_in(client, 1) == named
 
     # A fresh group (no L1, no L2) reads them from L3.
-    outs2, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3)
+    outs2, stats, _ = run_llm(llama_dir, 2, prompts, hicache_url=server.url, **L3_NO_L2)
     assert outs2 == want
     assert stats.hit_tokens["l3"] > 0 and set(stats.loads) == {"ok"}, stats
 
@@ -94,7 +92,10 @@ def test_always_stores_on_first_computation(llama_dir: Path, server: LocalRedis)
     client = redis.Redis.from_url(server.url)
     prompts = fresh_prompts(4, seed=2)
     with LLM(
-        str(llama_dir), stages=2, **{**TIGHT, "hicache_url": server.url, **L3}, hicache_write_policy="always"
+        str(llama_dir),
+        stages=2,
+        **{**TIGHT, "hicache_url": server.url, **L3_NO_L2},
+        hicache_write_policy="always",
     ) as llm:
         plans = record_plans(llm)
         llm.generate(prompts, GREEDY)
@@ -192,7 +193,7 @@ def test_a_group_orders_every_paced_store_before_it_goes_idle(llama_dir: Path, s
     """A slow cap (a few pages a second): generate returns only once every ordered store was sent,
     and the stages wrote them all."""
     prompts = fresh_prompts(3, seed=3)
-    kw = {**TIGHT, "hicache_url": server.url, **L3, "hicache_write_policy": "always"}
+    kw = {**TIGHT, "hicache_url": server.url, **L3_NO_L2, "hicache_write_policy": "always"}
     with LLM(str(llama_dir), stages=1, **kw, hicache_write_mb_s=0.02, hicache_write_buffer_mb=0.01) as llm:
         writes = llm.engine.scheduler.fetch.writes
         assert writes is not None and writes.page_bytes > 0
