@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from pipeserve.config import EngineConfig, StageServeConfig
-from pipeserve.local.ports import LOWEST, PortBook, below_ephemeral
+from pipeserve.local.ports import EPHEMERAL_RANGE, LOWEST, PortBook, below_ephemeral
 from pipeserve.local.redis_server import LocalRedis
 from pipeserve.supervisor.group import GroupSlot
 
@@ -34,7 +34,7 @@ def test_a_full_book_says_so() -> None:
 
 
 def test_ports_come_from_below_the_ephemeral_range() -> None:
-    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    low, high = (int(x) for x in EPHEMERAL_RANGE.read_text().split())
     span = below_ephemeral()
     assert span.start >= 1024 and span.stop <= low
     book = PortBook()
